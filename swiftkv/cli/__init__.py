@@ -1,0 +1,46 @@
+"""``swiftkv <verb>``: each verb lives in its own module of this package and is a thin call
+into the library. A verb module exposes ``add_parser(subparsers)`` which registers the verb and
+sets ``func`` (called with the parsed arguments)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# Verb modules, in the order `swiftkv --help` lists them.
+VERB_MODULES = [
+    "swiftkv.cli.convert",
+    "swiftkv.cli.generate",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swiftkv",
+        description="SwiftKV: convert, analyse, distil and serve prefill-skipping LLMs.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for name in VERB_MODULES:
+        importlib.import_module(name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as err:
+        # Bad input: one clear line, no traceback.
+        print(f"swiftkv {args.verb}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""``swiftkv convert BASE OUT``: a base checkpoint to a SwiftKV checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert",
+        help="turn a base Llama/Mistral/Qwen2 checkpoint into a SwiftKV checkpoint",
+        description="Load BASE (local folder or hub id), add the SwiftKV weights initialised as in the paper "
+        "(q_proj copies, group-mean k/v_proj, norm_swiftkv from layer c) and write OUT in the published "
+        "SwiftKV layout (safetensors + config + tokenizer + chat template).",
+    )
+    p.add_argument("base", help="base checkpoint: local folder or hub id")
+    p.add_argument("out", help="output folder (must be empty or absent unless --overwrite)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--num-key-value-layers", type=int, help="cutoff c: layers that keep their own KV")
+    where.add_argument("--cutoff", type=float, help="cutoff as a fraction of the layers: 0.5 = c is L/2 "
+                       "(the paper's 50%% SwiftKV), 0.75 = its 25%%; default 0.5")
+    p.add_argument("--key-value-group-size", type=int, default=1, help="AcrossKV group size g (1 = off)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from swiftkv.convert import convert_checkpoint
+
+    cutoff = 0.5 if args.cutoff is None and args.num_key_value_layers is None else args.cutoff
+    out = convert_checkpoint(
+        args.base, args.out, num_key_value_layers=args.num_key_value_layers,
+        key_value_group_size=args.key_value_group_size, cutoff=cutoff, overwrite=args.overwrite,
+    )
+    print(out)
+    return 0

@@ -1,0 +1,59 @@
+"""The three SwiftKV config fields, shared by every model family.
+
+The names and meanings match the published SwiftKV checkpoints (``config.json`` of e.g. the
+Llama-3.1-8B SwiftKV instruct model), so checkpoints move both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SwiftKVFields:
+    """Mixed into each family's config class (transformers 5 configs are strict dataclasses)."""
+
+    swiftkv: bool = False
+    """Whether the student path is on. ``False`` makes the model exactly its base model (the teacher)."""
+
+    num_key_value_layers: int | None = None
+    """The cutoff ``c``: layers ``0..c-1`` keep their own KV; later layers take K/V from the state
+    entering layer ``c``. ``None`` means half the layers (50% SwiftKV)."""
+
+    key_value_group_size: int = 1
+    """AcrossKV group size ``g`` (1 = off): layers ``c..L-1`` form contiguous groups of ``g`` that
+    share the KV of the group's first layer. ``(L - c)`` must be divisible by ``g``."""
+
+    def __post_init__(self, **kwargs) -> None:
+        super().__post_init__(**kwargs)
+        self.validate_swiftkv()
+
+    def validate_swiftkv(self) -> None:
+        """Fill the cutoff default and check the SwiftKV fields against the layer count."""
+        num_layers = self.num_hidden_layers
+        if self.num_key_value_layers is None:
+            self.num_key_value_layers = num_layers // 2
+        check_swiftkv_shape(num_layers, self.num_key_value_layers, self.key_value_group_size)
+
+
+def check_swiftkv_shape(num_layers: int, num_key_value_layers: int, key_value_group_size: int) -> None:
+    """Raise ``ValueError`` naming the problem if ``(L, c, g)`` is not a valid SwiftKV layout."""
+    c, g = num_key_value_layers, key_value_group_size
+    if not 1 <= c < num_layers:
+        raise ValueError(
+            f"num_key_value_layers={c} is out of range: it must be between 1 and {num_layers - 1} "
+            f"for a model with {num_layers} layers (layer 0 always keeps its own KV, and at least "
+            "one layer must follow the cutoff)."
+        )
+    if g < 1 or (num_layers - c) % g != 0:
+        raise ValueError(
+            f"key_value_group_size={g} must be >= 1 and divide the {num_layers - c} layers after the "
+            f"cutoff (num_hidden_layers={num_layers}, num_key_value_layers={c})."
+        )
+
+
+def cutoff_from_fraction(num_layers: int, fraction: float) -> int:
+    """The cutoff ``c = round(fraction * L)``: ``0.5`` is the paper's "50% SwiftKV", ``0.75`` its "25%"."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"--cutoff must be a fraction strictly between 0 and 1, got {fraction}")
+    return round(num_layers * fraction)

@@ -1,0 +1,70 @@
+"""Tiny random SwiftKV models for tests: small enough for 2 CPU cores, random SwiftKV weights so
+that a wrong wiring changes the outputs (the converted init would make some bugs invisible)."""
+
+from __future__ import annotations
+
+import torch
+
+from swiftkv.modeling import FAMILIES
+
+# The bundled SmolLM2 tokenizer's vocabulary, so tiny checkpoints can reuse a real tokenizer.
+TINY_VOCAB = 49152
+
+FAMILY_OVERRIDES = {
+    "llama": {},
+    # A window shorter than the test prompts, so the sliding-window masks are exercised.
+    "mistral": {"sliding_window": 24},
+    "qwen2": {},  # q/k/v biases come with the family
+}
+
+
+def tiny_config(
+    family: str,
+    num_hidden_layers: int = 4,
+    num_key_value_layers: int = 2,
+    key_value_group_size: int = 1,
+    swiftkv: bool = True,
+    **overrides,
+):
+    config_cls, _ = FAMILIES[family]
+    fields = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    fields.update(FAMILY_OVERRIDES[family])
+    fields.update(overrides)
+    return config_cls(
+        num_hidden_layers=num_hidden_layers,
+        num_key_value_layers=num_key_value_layers,
+        key_value_group_size=key_value_group_size,
+        swiftkv=swiftkv,
+        **fields,
+    )
+
+
+def randomize_swiftkv_weights(model, seed: int = 1) -> None:
+    """Give every SwiftKV weight values unlike the base weights (and ``norm_swiftkv`` not all ones)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.swiftkv_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            value = 1.0 + 0.2 * noise if name.endswith("norm_swiftkv.weight") else 0.08 * noise
+            param.copy_(value.to(param.dtype))
+
+
+def tiny_swiftkv_model(family: str = "llama", seed: int = 0, **config_kwargs):
+    """A float32 SwiftKV model in eval mode, student on, with random base and SwiftKV weights."""
+    torch.manual_seed(seed)
+    _, model_cls = FAMILIES[family]
+    model = model_cls(tiny_config(family, **config_kwargs)).eval()
+    randomize_swiftkv_weights(model, seed + 1)
+    return model
