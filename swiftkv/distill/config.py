@@ -1,0 +1,214 @@
+"""The typed distillation config: one YAML file, validated before anything starts.
+
+Unknown or misspelt keys are errors that name the key (``extra="forbid"`` everywhere), and every
+default is the paper's recipe (SPEC.md) unless the field's docstring says otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+FORMATS = ("ultrachat", "openhermes", "slimorca", "messages", "chitchat")
+SourceFormat = Literal["ultrachat", "openhermes", "slimorca", "messages", "chitchat"]
+
+
+class _Strict(BaseModel):
+    # Field docstrings become the field descriptions, so `--help`-style dumps can show them.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class SourceConfig(_Strict):
+    uri: str
+    """Where the rows are: a local path, a glob, ``s3://bucket/prefix/*.parquet`` or any fsspec URI
+    (``hf://datasets/...`` for hub parquet). Files are ``.parquet``, ``.jsonl`` or (chitchat) ``.json``."""
+
+    format: SourceFormat
+    """The row schema: ``ultrachat``/``messages`` (a ``messages`` list of role/content),
+    ``openhermes``/``slimorca`` (a ``conversations`` list of from/value with system/human/gpt),
+    ``chitchat`` (the chitchat-dataset conversation objects)."""
+
+    sample_count: int | None = Field(default=None, gt=0)
+    """Take at most this many rows from the source (in file order). Exclusive with ``weight``."""
+
+    weight: float | None = Field(default=None, gt=0, le=1)
+    """Keep this random fraction of the source's rows (seeded). Exclusive with ``sample_count``;
+    when neither is given every row is used once."""
+
+    @model_validator(mode="after")
+    def _one_way_to_size(self) -> SourceConfig:
+        if self.sample_count is not None and self.weight is not None:
+            raise ValueError(f"source {self.uri!r}: give sample_count or weight, not both")
+        return self
+
+
+class DataConfig(_Strict):
+    sources: list[SourceConfig] = Field(min_length=1)
+    """The chat sources to mix (the paper: UltraChat-200k, OpenHermes-2.5 and SlimOrca)."""
+
+    max_seq_len: int = Field(default=8192, gt=8)
+    """Tokens per training row; longer examples are truncated (and counted in the log)."""
+
+    pack: bool = True
+    """Pack several examples into each row; attention stays inside each example."""
+
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """Which positions the KL is averaged over: those predicting assistant tokens, or every token."""
+
+    heldout_fraction: float = Field(default=0.01, ge=0, lt=1)
+    """Fraction of examples (chosen by a hash of their text, so stable across runs) kept out of
+    training and used for the held-out KL / top-1 agreement."""
+
+    heldout_max_rows: int = Field(default=64, gt=0)
+    """At most this many held-out rows are evaluated (bounds the evaluation time)."""
+
+    pack_window: int = Field(default=256, gt=0)
+    """Examples handed to the packer at once; a bigger window packs tighter."""
+
+    seed: int = 0
+    """Seed for source sampling and block-order shuffling."""
+
+
+class TrainConfig(_Strict):
+    micro_batch_size: int = Field(default=1, gt=0)
+    """Rows per worker per forward pass."""
+
+    grad_accum: int = Field(default=1, gt=0)
+    """Micro-batches accumulated per optimizer step."""
+
+    epochs: int = Field(default=2, gt=0)
+    """Passes over the data (the paper: 2). Ignored when ``max_steps`` is set."""
+
+    max_steps: int | None = Field(default=None, gt=0)
+    """Stop after this many optimizer steps (the data is re-read as often as needed)."""
+
+    lr: float = Field(default=3e-4, gt=0)
+    """AdamW peak learning rate."""
+
+    weight_decay: float = Field(default=0.05, ge=0)
+    """AdamW weight decay."""
+
+    warmup_ratio: float = Field(default=0.05, ge=0, lt=1)
+    """Linear warm-up share of the steps, then cosine decay to zero."""
+
+    temperature: float = Field(default=2.0, gt=0)
+    """Distillation temperature tau; the KL is scaled by tau^2."""
+
+    hidden_loss_weight: float = Field(default=0.0, ge=0)
+    """Weight of the MSE between student and teacher second-to-last hidden states (0 = the paper's KL alone)."""
+
+    loss_chunk_tokens: int = Field(default=1024, gt=0)
+    """Tokens per KL chunk: full-vocabulary logits exist for this many tokens at a time."""
+
+    gradient_checkpointing: bool = False
+    """Recompute the student's layer activations in backward (needed for 8K rows on big models)."""
+
+    eval_every_steps: int | None = Field(default=None, gt=0)
+    """Also measure the held-out KL every N steps (it is always measured before and after)."""
+
+    seed: int = 0
+    """Seed for anything random in the workers."""
+
+
+class ScalingConfig(_Strict):
+    num_workers: int = Field(default=1, gt=0)
+    """Ray Train workers (one per GPU)."""
+
+    use_gpu: bool = False
+    """One GPU per worker, NCCL and bf16; otherwise gloo and float32 on CPU."""
+
+    cpus_per_worker: float = Field(default=1.0, gt=0)
+    """Logical CPUs each worker reserves (leave some for Ray Data's read tasks)."""
+
+
+class DeepSpeedConfig(_Strict):
+    zero_stage: Literal[2, 3] = 2
+    """ZeRO stage: 2 shards gradients and optimizer state, 3 also the parameters."""
+
+
+class OutputConfig(_Strict):
+    storage_path: str
+    """Local folder or ``s3://`` prefix for checkpoints and results; rerunning with the same path and
+    ``name`` resumes from its latest checkpoint."""
+
+    name: str = "swiftkv-distill"
+    """Run name (a folder under ``storage_path``)."""
+
+    checkpoint_every_steps: int = Field(default=500, gt=0)
+    """Write a checkpoint every N optimizer steps (and always at the end)."""
+
+    num_to_keep: int = Field(default=2, gt=0)
+    """Checkpoints kept in storage (the oldest are deleted)."""
+
+    max_failures: int = Field(default=3, ge=-1)
+    """Worker-group restarts allowed (from the latest checkpoint); -1 = unlimited."""
+
+
+class DistillConfig(_Strict):
+    model: str
+    """Base checkpoint: a local folder, a hub id, an ``s3://`` folder, or ``bundled`` (SmolLM2-135M-Instruct).
+    A SwiftKV checkpoint is used as it is; any other is converted with the SPEC initialisation."""
+
+    num_key_value_layers: int | None = None
+    """The cutoff c (layers keeping their own KV); ``None`` = half the layers (50% SwiftKV)."""
+
+    key_value_group_size: int = Field(default=1, gt=0)
+    """AcrossKV group size (1 = off)."""
+
+    data: DataConfig
+    train: TrainConfig = TrainConfig()
+    scaling: ScalingConfig = ScalingConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    output: OutputConfig
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``a.b.c=value`` in a nested dict (creating levels), so pydantic reports bad keys later."""
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"--set {dotted}: {part!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "<config>"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown key")
+        else:
+            lines.append(f"{where}: {item['msg']}")
+    return "invalid distillation config:\n  " + "\n  ".join(lines)
+
+
+def parse_config(tree: dict[str, Any], overrides: list[str] = ()) -> DistillConfig:
+    """Validate a config tree after applying ``key.path=value`` overrides (values parsed as YAML)."""
+    tree = copy.deepcopy(tree)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return DistillConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ValueError(_explain(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> DistillConfig:
+    """Read a YAML recipe, apply ``--set`` overrides and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    tree = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(tree, dict):
+        raise ValueError(f"{path}: the config must be a YAML mapping")
+    return parse_config(tree, overrides)
