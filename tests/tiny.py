@@ -68,3 +68,36 @@ def tiny_swiftkv_model(family: str = "llama", seed: int = 0, **config_kwargs):
     model = model_cls(tiny_config(family, **config_kwargs)).eval()
     randomize_swiftkv_weights(model, seed + 1)
     return model
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer with a ChatML template, built offline (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
+    words += [f"w{i}" for i in range(200)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+    )
+    return tokenizer
+
+
+def save_tiny_base(path, family: str = "llama", num_hidden_layers: int = 4, seed: int = 0):
+    """A tiny random *base* (non-SwiftKV) checkpoint with a tokenizer, as a user's base model folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in tiny_config(family, num_hidden_layers=num_hidden_layers).to_dict().items()
+              if k not in ("model_type", "architectures", "swiftkv", "num_key_value_layers",
+                           "key_value_group_size", "transformers_version")}
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields))
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return model.eval()
