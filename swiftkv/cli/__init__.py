@@ -13,6 +13,7 @@ import sys
 VERB_MODULES = [
     "swiftkv.cli.convert",
     "swiftkv.cli.generate",
+    "swiftkv.cli.bundle",
 ]
 
 
