@@ -14,6 +14,7 @@ VERB_MODULES = [
     "swiftkv.cli.convert",
     "swiftkv.cli.generate",
     "swiftkv.cli.bundle",
+    "swiftkv.cli.flops",
 ]
 
 

@@ -1,0 +1,255 @@
+"""Analytic cost model of SwiftKV from a model config alone: prefill FLOPs per prompt token, KV-cache
+bytes per token, and the trainable-parameter count of the distillation.
+
+Conventions (they reproduce the paper's Llama-3.1-70B table, see the README):
+
+- A linear layer costs ``2 * in * out`` FLOPs per token (one multiply and one add); biases, norms,
+  rotary and softmax are ignored (under 0.1% here).
+- ``vocab`` follows the paper: the embedding and the LM head are each counted as an ``h x V`` matmul
+  for every token (``4 h V``). Real prefill computes logits for the last token only and looks the
+  embedding up, so :func:`predicted_prefill_ratio` leaves this term out.
+- ``attention`` is the ``Q K^T`` and ``A V`` matmuls of a causal prefill of ``seq_len`` tokens,
+  averaged over its tokens: token ``i`` attends to ``min(i, window)`` keys, each costing
+  ``4 * num_heads * head_dim`` FLOPs. The paper's 160 GF for Llama-3.1-70B is this at 120K
+  (122,880) tokens; a 128K prompt gives 172 GF.
+- A SwiftKV prompt token runs layers ``0..c-1`` in full, then one K/V projection per AcrossKV
+  group leader from the state entering layer ``c``; the last token's full pass is not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from swiftkv.config import check_swiftkv_shape
+from swiftkv.modeling.model import layer_types  # importing swiftkv.modeling registers *_swiftkv configs
+
+# Base families and their SwiftKV model types; the cost model covers what swiftkv.modeling covers.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "llama_swiftkv", "mistral_swiftkv", "qwen2_swiftkv")
+
+# Bytes per stored K or V element for --kv-cache-dtype.
+KV_CACHE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# The reference the KV reductions are quoted against (as in the paper): the base model's 16-bit cache.
+BASE_KV_CACHE_DTYPE = "bf16"
+
+
+def load_config(spec: str | Path):
+    """A transformers config from a ``config.json`` path, a model folder or a hub id (offline: cached)."""
+    if str(spec).endswith(".json") and not Path(spec).is_file():
+        raise FileNotFoundError(f"config file {spec} does not exist")
+    try:
+        config = AutoConfig.from_pretrained(spec)
+    except OSError as err:
+        raise FileNotFoundError(f"{spec}: not a config file, a model folder or a cached hub id ({err})") from err
+    except ValueError as err:  # e.g. no or unknown model_type
+        raise ValueError(f"{spec}: not a usable model config ({err})") from err
+    check_family(config.model_type, spec)
+    return config
+
+
+def check_family(model_type: str, source: object) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the cost model needs, read from a Llama/Mistral/Qwen2 (or SwiftKV) config."""
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    attention_windows: tuple[int | None, ...]
+    """Per layer: the sliding window, or ``None`` for full attention."""
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        check_family(config.model_type, "config")
+        qwen2 = config.model_type.startswith("qwen2")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        window = getattr(config, "sliding_window", None)
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            intermediate=config.intermediate_size,
+            vocab=config.vocab_size,
+            tied_embeddings=bool(config.tie_word_embeddings),
+            qkv_bias=qwen2 or attention_bias,  # Qwen2 always has q/k/v biases
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            attention_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types(config)),
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def swiftkv_layout(config, num_key_value_layers: int | None, key_value_group_size: int | None) -> tuple[int, int]:
+    """``(c, g)``: the given values, else the config's own SwiftKV fields; validated."""
+    c = num_key_value_layers if num_key_value_layers is not None else getattr(config, "num_key_value_layers", None)
+    g = key_value_group_size if key_value_group_size is not None else getattr(config, "key_value_group_size", 1)
+    if c is None:
+        raise ValueError("no cutoff: give num_key_value_layers (or a cutoff fraction), or a SwiftKV config")
+    check_swiftkv_shape(config.num_hidden_layers, c, g)
+    return c, g
+
+
+def cutoff_to_num_key_value_layers(num_layers: int, cutoff: float) -> int:
+    """``F`` of "F SwiftKV" (the share of layers prompt tokens skip) to the cutoff ``c = L (1 - F)``."""
+    if not 0 < cutoff < 1:
+        raise ValueError(f"cutoff {cutoff} must be a fraction strictly between 0 and 1 (0.5 = 50% SwiftKV)")
+    c = round(num_layers * (1 - cutoff))
+    if abs(c - num_layers * (1 - cutoff)) > 1e-6:
+        raise ValueError(
+            f"cutoff {cutoff} of {num_layers} layers is not a whole number of layers; "
+            "pass --num-key-value-layers instead"
+        )
+    return c
+
+
+def mean_attended_keys(seq_len: int, window: int | None) -> float:
+    """Mean number of keys a token attends to in a causal prefill of ``seq_len`` tokens."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    w = seq_len if window is None else min(window, seq_len)
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+
+
+@dataclass(frozen=True)
+class PrefillFlops:
+    """FLOPs per prompt token, by part."""
+
+    vocab: float
+    kv_proj: float
+    qo_proj: float
+    mlp: float
+    attention: float
+
+    @property
+    def total(self) -> float:
+        return self.vocab + self.kv_proj + self.qo_proj + self.mlp + self.attention
+
+    def gflops(self) -> dict[str, float]:
+        return {**{k: v / 1e9 for k, v in asdict(self).items()}, "total": self.total / 1e9}
+
+
+def _prefill_flops(shape: ModelShape, seq_len: int, full_layers: int, kv_layers: int) -> PrefillFlops:
+    """Prompt tokens run ``full_layers`` layers in full; K/V projections run ``kv_layers`` times."""
+    per_head_key = 4 * shape.q_size  # Q K^T and A V, per attended key
+    return PrefillFlops(
+        vocab=4 * shape.hidden * shape.vocab,
+        kv_proj=kv_layers * 2 * shape.hidden * 2 * shape.kv_size,
+        qo_proj=full_layers * 2 * 2 * shape.hidden * shape.q_size,
+        mlp=full_layers * 2 * 3 * shape.hidden * shape.intermediate,
+        attention=sum(per_head_key * mean_attended_keys(seq_len, w) for w in shape.attention_windows[:full_layers]),
+    )
+
+
+def prefill_flops(
+    config, seq_len: int, num_key_value_layers: int | None = None, key_value_group_size: int = 1
+) -> PrefillFlops:
+    """Per-prompt-token FLOPs of the base model (``num_key_value_layers=None``) or of SwiftKV."""
+    shape = ModelShape.from_config(config)
+    if num_key_value_layers is None:
+        return _prefill_flops(shape, seq_len, shape.num_layers, shape.num_layers)
+    c, g = swiftkv_layout(config, num_key_value_layers, key_value_group_size)
+    return _prefill_flops(shape, seq_len, c, c + (shape.num_layers - c) // g)
+
+
+def predicted_prefill_ratio(config, seq_len: int, num_key_value_layers: int, key_value_group_size: int = 1) -> float:
+    """Predicted SwiftKV / base prefill time for prompts of ``seq_len`` tokens, assuming time follows
+    FLOPs. The vocab term is left out: serving computes logits for the last token only."""
+    base = prefill_flops(config, seq_len)
+    swift = prefill_flops(config, seq_len, num_key_value_layers, key_value_group_size)
+    return (swift.total - swift.vocab) / (base.total - base.vocab)
+
+
+def kv_cache_bytes_per_token(config, num_kv_layers: int | None = None, dtype: str = BASE_KV_CACHE_DTYPE) -> int:
+    """Bytes of K and V stored per token over ``num_kv_layers`` caches (default: every layer)."""
+    if dtype not in KV_CACHE_DTYPE_BYTES:
+        raise ValueError(f"unknown KV-cache dtype {dtype!r} (known: {', '.join(KV_CACHE_DTYPE_BYTES)})")
+    shape = ModelShape.from_config(config)
+    layers = shape.num_layers if num_kv_layers is None else num_kv_layers
+    return layers * 2 * shape.kv_size * KV_CACHE_DTYPE_BYTES[dtype]
+
+
+def swiftkv_kv_layers(config, num_key_value_layers: int, key_value_group_size: int = 1) -> int:
+    """Layers that own a KV cache under SwiftKV: ``c + (L - c) / g``."""
+    c, g = swiftkv_layout(config, num_key_value_layers, key_value_group_size)
+    return c + (config.num_hidden_layers - c) // g
+
+
+def base_param_count(config) -> int:
+    """Parameters of the base model (tied embeddings counted once)."""
+    s = ModelShape.from_config(config)
+    attention = 2 * s.hidden * s.q_size + 2 * s.hidden * s.kv_size
+    attention += (s.q_size + 2 * s.kv_size) * s.qkv_bias + s.hidden * s.o_bias
+    mlp = 3 * s.hidden * s.intermediate + (2 * s.intermediate + s.hidden) * s.mlp_bias
+    layer = attention + mlp + 2 * s.hidden  # two RMSNorms
+    embeddings = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
+    return s.num_layers * layer + embeddings + s.hidden  # + final norm
+
+
+def swiftkv_param_count(config, num_key_value_layers: int, key_value_group_size: int = 1) -> tuple[int, int]:
+    """``(trainable, total)`` parameters of the SwiftKV model: the trainable ones are ``norm_swiftkv``,
+    ``q_proj_swiftkv`` of every layer after the cutoff and ``k/v_proj_swiftkv`` of each group leader
+    (with biases where the family has them); the total adds them to the base model's."""
+    s = ModelShape.from_config(config)
+    c, g = swiftkv_layout(config, num_key_value_layers, key_value_group_size)
+    q = s.hidden * s.q_size + s.q_size * s.qkv_bias
+    kv = 2 * (s.hidden * s.kv_size + s.kv_size * s.qkv_bias)
+    trainable = s.hidden + (s.num_layers - c) * q + (s.num_layers - c) // g * kv
+    return trainable, base_param_count(config) + trainable
+
+
+def flops_report(
+    config,
+    seq_len: int,
+    num_key_value_layers: int,
+    key_value_group_size: int = 1,
+    kv_cache_dtype: str = BASE_KV_CACHE_DTYPE,
+) -> dict:
+    """Everything ``swiftkv flops`` prints, as JSON-ready numbers."""
+    c, g = swiftkv_layout(config, num_key_value_layers, key_value_group_size)
+    base, swift = prefill_flops(config, seq_len), prefill_flops(config, seq_len, c, g)
+    kv_base = kv_cache_bytes_per_token(config)
+    kv_swift = kv_cache_bytes_per_token(config, swiftkv_kv_layers(config, c, g), kv_cache_dtype)
+    trainable, total = swiftkv_param_count(config, c, g)
+    return {
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "seq_len": seq_len,
+        "num_key_value_layers": c,
+        "key_value_group_size": g,
+        "prefill_gflops_per_token": {"base": base.gflops(), "swiftkv": swift.gflops()},
+        "prefill_flops_reduction": 1 - swift.total / base.total,
+        "predicted_prefill_ratio": predicted_prefill_ratio(config, seq_len, c, g),
+        "kv_cache_bytes_per_token": {
+            "base": kv_base,
+            "base_dtype": BASE_KV_CACHE_DTYPE,
+            "swiftkv": kv_swift,
+            "swiftkv_dtype": kv_cache_dtype,
+        },
+        "kv_cache_reduction": 1 - kv_swift / kv_base,
+        "params": {"trainable": trainable, "total": total, "trainable_share": trainable / total},
+    }
