@@ -1,0 +1,342 @@
+"""The SwiftKV decoder for vLLM, one class for Llama, Mistral and Qwen2, built from vLLM's parallel
+layers so that it shards under tensor parallelism exactly like the base model.
+
+With ``config.swiftkv`` (cutoff ``c``, AcrossKV group size ``g``), per engine step:
+  1. every scheduled token runs the embedding and layers ``0..c-1`` (``SwiftKVPrefill``); the
+     state ``h`` entering layer ``c`` is normed once (``norm_swiftkv``) and one fused projection
+     gives the K/V of every AcrossKV group, written into the group's cache;
+  2. only the rows whose logits the runner reads (each request's last scheduled token) run layers
+     ``c..L-1`` and the final norm (``SwiftKVDecode``); each of those layers attends to its group's
+     cache with queries from ``q_proj_swiftkv``.
+The group caches belong to weightless ``Attention`` layers (one per group, registered before the
+first later layer); layers ``>= c`` own no KV cache (``kv_sharing_target_layer_name``), so vLLM
+allocates KV for ``c + (L - c) / g`` layers. With ``swiftkv: false`` every layer runs on every
+token with its own q/k/v: the plain base model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.llama import LlamaMLP
+from vllm.model_executor.models.utils import maybe_prefix
+
+from swiftkv.modeling.model import layer_types
+from swiftkv.vllm.kv_internals import compile_unit, logits_rows, write_kv_cache
+from swiftkv.vllm.layout import SwiftKVLayout
+from swiftkv.vllm.weights import load_swiftkv_weights
+
+
+def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    return config.sliding_window if layer_types(config)[layer_idx] == "sliding_attention" else None
+
+
+class SwiftKVAttention(nn.Module):
+    """Self-attention of one layer. Layers with their own KV use a fused ``qkv_proj``; layers after
+    the cutoff only project queries (``q_proj_swiftkv``) and read their group's cache."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, layout: SwiftKVLayout, layer_idx: int, prefix: str, kv_source: str | None
+    ) -> None:
+        super().__init__()
+        config, quant_config = vllm_config.model_config.hf_config, vllm_config.quant_config
+        heads = layout.heads
+        self.q_size, self.kv_size = heads.q_size, heads.kv_size
+        self.kv_shared = kv_source is not None
+        if self.kv_shared:
+            self.q_proj_swiftkv = ColumnParallelLinear(
+                config.hidden_size,
+                heads.total_num_heads * heads.head_dim,
+                bias=layout.qkv_bias,
+                quant_config=quant_config,
+                prefix=f"{prefix}.q_proj_swiftkv",
+            )
+        else:
+            self.qkv_proj = QKVParallelLinear(
+                config.hidden_size,
+                heads.head_dim,
+                heads.total_num_heads,
+                heads.total_num_kv_heads,
+                bias=layout.qkv_bias,
+                quant_config=quant_config,
+                prefix=f"{prefix}.qkv_proj",
+            )
+        self.o_proj = RowParallelLinear(
+            heads.total_num_heads * heads.head_dim,
+            config.hidden_size,
+            bias=layout.o_proj_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.rotary_emb = layout.rotary_emb()
+        self.attn = Attention(
+            heads.num_heads,
+            heads.head_dim,
+            heads.head_dim**-0.5,
+            num_kv_heads=heads.num_kv_heads,
+            cache_config=vllm_config.cache_config,
+            quant_config=quant_config,
+            per_layer_sliding_window=_sliding_window(config, layer_idx),
+            kv_sharing_target_layer_name=kv_source,
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.kv_shared:  # K/V are already in the group's cache
+            q, _ = self.q_proj_swiftkv(hidden_states)
+            q, _ = self.rotary_emb(positions, q, None)
+            out = self.attn(q, None, None)
+        else:
+            qkv, _ = self.qkv_proj(hidden_states)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = self.rotary_emb(positions, q, k)
+            out = self.attn(q, k, v)
+        out, _ = self.o_proj(out)
+        return out
+
+
+class SwiftKVDecoderLayer(nn.Module):
+    def __init__(
+        self, vllm_config: VllmConfig, layout: SwiftKVLayout, layer_idx: int, prefix: str, kv_source: str | None
+    ) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.self_attn = SwiftKVAttention(vllm_config, layout, layer_idx, f"{prefix}.self_attn", kv_source)
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            quant_config=vllm_config.quant_config,
+            bias=layout.mlp_bias,
+            prefix=f"{prefix}.mlp",
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+def run_layers(layers: Sequence[nn.Module], positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The hidden state after ``layers`` (residual added back, not normed)."""
+    residual = None
+    for layer in layers:
+        hidden_states, residual = layer(positions, hidden_states, residual)
+    return hidden_states + residual
+
+
+# The token dimension of the compiled units' inputs varies from step to step.
+_TOKEN_ARGS = {"input_ids": 0, "positions": 0, "inputs_embeds": 0}
+
+
+def _is_swiftkv(vllm_config: VllmConfig) -> bool:
+    return bool(vllm_config.model_config.hf_config.swiftkv)
+
+
+@support_torch_compile(dynamic_arg_dims=_TOKEN_ARGS, enable_if=_is_swiftkv)
+class SwiftKVPrefill(nn.Module):
+    """Runs on every scheduled token: embedding, layers ``0..c-1``, and the K/V (rotary applied) of
+    every AcrossKV group from the normed cutoff state."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: SwiftKVModel) -> None:
+        super().__init__()
+        self.embed_tokens = model.embed_tokens
+        self.layers = model.layers[: model.layout.num_kv_layers]
+        self.norm_swiftkv = model.norm_swiftkv
+        self.kv_proj_swiftkv = model.kv_proj_swiftkv
+        self.rotary_emb = model.layout.rotary_emb()
+        self.kv_size = model.layout.heads.kv_size * model.layout.num_groups
+
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden = run_layers(self.layers, positions, hidden)
+        kv, _ = self.kv_proj_swiftkv(self.norm_swiftkv(hidden))
+        key, value = kv.split([self.kv_size, self.kv_size], dim=-1)  # [k_0..k_G-1], [v_0..v_G-1]
+        key, _ = self.rotary_emb(positions, key, None)  # every group's keys in one call
+        return hidden, key, value
+
+
+@support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden_states": 0}, enable_if=_is_swiftkv)
+class SwiftKVDecode(nn.Module):
+    """Runs on the logits rows only: layers ``c..L-1`` and the final norm."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: SwiftKVModel) -> None:
+        super().__init__()
+        self.layers = model.layers[model.layout.num_kv_layers :]
+        self.norm = model.norm
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.norm(run_layers(self.layers, positions, hidden_states))
+
+
+@support_torch_compile(dynamic_arg_dims=_TOKEN_ARGS, enable_if=lambda vllm_config: not _is_swiftkv(vllm_config))
+class SwiftKVModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.layout = layout = SwiftKVLayout.from_config(config, get_tensor_model_parallel_world_size())
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config
+        )
+        c = layout.num_kv_layers
+        layers = [SwiftKVDecoderLayer(vllm_config, layout, j, f"{prefix}.layers.{j}", None) for j in range(c)]
+        if config.swiftkv:
+            heads = layout.heads
+            self.norm_swiftkv = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.kv_proj_swiftkv = MergedColumnParallelLinear(
+                config.hidden_size,
+                [heads.total_num_kv_heads * heads.head_dim] * (2 * layout.num_groups),
+                bias=layout.qkv_bias,
+                quant_config=vllm_config.quant_config,
+                prefix=f"{prefix}.kv_proj_swiftkv",
+            )
+            # One weightless cache owner per group, registered before every layer that reads it
+            # (vLLM finds the prefill-skippable layers as the trailing run of cache readers).
+            # Each name holds exactly one integer, the leader's index: vLLM orders caches by it.
+            self.group_caches = nn.ModuleList(
+                Attention(
+                    heads.num_heads,
+                    heads.head_dim,
+                    heads.head_dim**-0.5,
+                    num_kv_heads=heads.num_kv_heads,
+                    cache_config=vllm_config.cache_config,
+                    per_layer_sliding_window=_sliding_window(config, leader),
+                    prefix=f"{prefix}.layers.{leader}.self_attn.swiftkv_cache",
+                )
+                for leader in layout.leaders
+            )
+            layers += [
+                SwiftKVDecoderLayer(
+                    vllm_config,
+                    layout,
+                    j,
+                    f"{prefix}.layers.{j}",
+                    self.group_caches[layout.group_of(j)].layer_name,
+                )
+                for j in range(c, config.num_hidden_layers)
+            ]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.swiftkv:
+            with compile_unit("swiftkv_prefill"):
+                self.prefill = SwiftKVPrefill(vllm_config=vllm_config, prefix=f"{prefix}.prefill", model=self)
+            with compile_unit("swiftkv_decode"):
+                self.decode = SwiftKVDecode(vllm_config=vllm_config, prefix=f"{prefix}.decode", model=self)
+            # Static inputs of the decode unit, so that its CUDA graphs see fixed addresses.
+            max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+            self.register_buffer("_rows_positions", torch.zeros(max_tokens, dtype=torch.int64), persistent=False)
+            self.register_buffer(
+                "_rows_hidden",
+                torch.zeros(max_tokens, config.hidden_size, dtype=vllm_config.model_config.dtype),
+                persistent=False,
+            )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not self.config.swiftkv:
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            return self.norm(run_layers(self.layers, positions, hidden))
+
+        hidden, key, value = self.prefill(input_ids, positions, inputs_embeds)
+        num_groups = len(self.group_caches)
+        for cache, k, v in zip(self.group_caches, key.chunk(num_groups, -1), value.chunk(num_groups, -1), strict=True):
+            write_kv_cache(cache, k, v)
+
+        rows = logits_rows(self.layers[-1].self_attn.attn)
+        if rows is None:  # warm-up/profiling: every row goes on
+            return self.decode(positions, hidden)
+        indices, num_rows = rows
+        padded = indices.shape[0]
+        self._rows_positions[:padded].copy_(positions[indices])
+        self._rows_hidden[:padded].copy_(hidden[indices])
+        out = self.decode(self._rows_positions[:padded], self._rows_hidden[:padded])
+        # Only the logits rows are read; the others keep their cutoff state. The clone keeps the
+        # returned tensor apart from the compiled unit's output buffer.
+        hidden = hidden.clone()
+        hidden[indices[:num_rows]] = out[:num_rows]
+        return hidden
+
+
+class SwiftKVForCausalLM(nn.Module):
+    """``*SwiftKVForCausalLM``: the SwiftKV decoder and vLLM's (tied or separate) LM head."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = SwiftKVModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size,
+            config.hidden_size,
+            quant_config=vllm_config.quant_config,
+            prefix=maybe_prefix(prefix, "lm_head"),
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_swiftkv_weights(self, weights, self.model.layout)
+
+
+class LlamaSwiftKVForCausalLM(SwiftKVForCausalLM):
+    pass
+
+
+class MistralSwiftKVForCausalLM(SwiftKVForCausalLM):
+    pass
+
+
+class Qwen2SwiftKVForCausalLM(SwiftKVForCausalLM):
+    pass

@@ -1,0 +1,100 @@
+"""Checkpoint names (SPEC.md's layout, as the published SwiftKV checkpoints use it) to parameters of
+the vLLM SwiftKV model.
+
+vLLM's stock Llama loader maps ``.q_proj`` onto ``qkv_proj`` by substring, which would also catch
+``q_proj_swiftkv``; this mapping matches whole names instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from swiftkv.vllm.layout import SwiftKVLayout
+
+_ATTN = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj(_swiftkv)?\.(weight|bias)")
+_MLP = re.compile(r"(model\.layers\.\d+\.mlp)\.(gate|up)_proj\.(weight|bias)")
+
+Target = tuple[str, str | int | None]  # (parameter name, shard id for fused parameters)
+
+
+def target_of(name: str, layout: SwiftKVLayout, swiftkv: bool) -> Target | None:
+    """The parameter (and shard) a checkpoint tensor loads into; ``None`` for tensors the serving
+    model does not use: the teacher's q/k/v of layers after the cutoff, and the SwiftKV weights
+    of a checkpoint served as its base model (``swiftkv: false``)."""
+    if "rotary_emb.inv_freq" in name:
+        return None
+    if name == "model.norm_swiftkv.weight":
+        return (name, None) if swiftkv else None
+    if match := _MLP.fullmatch(name):
+        prefix, which, kind = match.groups()
+        return f"{prefix}.gate_up_proj.{kind}", 0 if which == "gate" else 1
+    if not (match := _ATTN.fullmatch(name)):
+        return name, None
+    layer, which, swiftkv_copy, kind = int(match[1]), match[2], match[3] is not None, match[4]
+    if layer < layout.num_kv_layers:
+        return None if swiftkv_copy else (f"model.layers.{layer}.self_attn.qkv_proj.{kind}", which)
+    if not swiftkv_copy:
+        return None  # teacher q/k/v of a later layer: the student never uses them
+    if which == "q":
+        return name, None
+    if layer not in layout.leaders:
+        raise ValueError(
+            f"checkpoint tensor {name} belongs to layer {layer}, which is not an AcrossKV group leader "
+            f"for num_key_value_layers={layout.num_kv_layers}, key_value_group_size={layout.group_size}: "
+            "the checkpoint does not match its config"
+        )
+    group = layout.group_of(layer)
+    return f"model.kv_proj_swiftkv.{kind}", group if which == "k" else layout.num_groups + group
+
+
+def load_swiftkv_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], layout: SwiftKVLayout
+) -> set[str]:
+    """Load checkpoint tensors into ``model``; returns the names of the parameters loaded (vLLM
+    then reports any parameter left unloaded)."""
+    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    loaded: set[str] = set()
+    seen: set[str] = set()
+    for name, tensor in weights:
+        seen.add(name)
+        if tied and name.startswith("lm_head."):
+            continue
+        target = target_of(name, layout, model.config.swiftkv)
+        if target is None:
+            continue
+        param_name, shard = target
+        if param_name not in params:
+            raise ValueError(f"checkpoint tensor {name} has no place in {type(model).__name__} ({param_name})")
+        param = params[param_name]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        if shard is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard)
+        loaded.add(param_name)
+    if model.config.swiftkv:
+        _check_swiftkv_tensors(seen, layout)
+    return loaded
+
+
+def _check_swiftkv_tensors(seen: set[str], layout: SwiftKVLayout) -> None:
+    """vLLM reports parameters never loaded, but not a missing shard of a fused one (one group's
+    K/V inside ``kv_proj_swiftkv``): check the SwiftKV tensors the config calls for by name."""
+    expected = {"model.norm_swiftkv.weight"}
+    for layer in range(layout.num_kv_layers, layout.num_layers):
+        attn = f"model.layers.{layer}.self_attn"
+        expected.add(f"{attn}.q_proj_swiftkv.weight")
+        if layer in layout.leaders:
+            expected |= {f"{attn}.k_proj_swiftkv.weight", f"{attn}.v_proj_swiftkv.weight"}
+    if missing := sorted(expected - seen):
+        raise ValueError(
+            f"the checkpoint lacks {len(missing)} SwiftKV tensor(s) its config calls for "
+            f"(num_key_value_layers={layout.num_kv_layers}, key_value_group_size={layout.group_size}), "
+            f"e.g. {missing[:3]}: was it converted with other settings?"
+        )

