@@ -15,6 +15,7 @@ VERB_MODULES = [
     "swiftkv.cli.generate",
     "swiftkv.cli.bundle",
     "swiftkv.cli.flops",
+    "swiftkv.cli.simscore",
 ]
 
 
