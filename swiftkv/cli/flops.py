@@ -81,7 +81,7 @@ def format_report(r: dict) -> str:
         f"({(L - c) / L:.1%} of layers skipped), AcrossKV g={g}",
         f"{'GFLOPs per prompt token':<34}{'base':>10}{'SwiftKV':>10}",
     ]
-    lines += [f"  {label:<32}{base[key]:>10.2f}{swift[key]:>10.2f}" for key, label in PARTS]
+    lines += [f"  {label:<32}{base[key]:>10.4g}{swift[key]:>10.4g}" for key, label in PARTS]
     lines += [
         f"prefill FLOPs reduction: {r['prefill_flops_reduction']:.1%}; predicted prefill time ratio "
         f"(vocab excluded): {r['predicted_prefill_ratio']:.3f}",
