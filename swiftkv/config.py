@@ -6,6 +6,7 @@ Llama-3.1-8B SwiftKV instruct model), so checkpoints move both ways.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -53,7 +54,9 @@ def check_swiftkv_shape(num_layers: int, num_key_value_layers: int, key_value_gr
 
 
 def cutoff_from_fraction(num_layers: int, fraction: float) -> int:
-    """The cutoff ``c = round(fraction * L)``: ``0.5`` is the paper's "50% SwiftKV", ``0.75`` its "25%"."""
+    """The cutoff for the paper's "F SwiftKV", F being the share of layers that prompt tokens skip:
+    ``c = ceil(L (1 - F))`` (never skipping more than F), kept within ``1..L-1``.
+    ``0.5`` gives ``c = L/2``; ``0.25`` gives ``c = 3L/4``."""
     if not 0.0 < fraction < 1.0:
-        raise ValueError(f"--cutoff must be a fraction strictly between 0 and 1, got {fraction}")
-    return round(num_layers * fraction)
+        raise ValueError(f"--cutoff must be a fraction strictly between 0 and 1 (0.5 = 50% SwiftKV), got {fraction}")
+    return min(max(math.ceil(num_layers * (1 - fraction) - 1e-9), 1), num_layers - 1)

@@ -47,7 +47,10 @@ def swiftkv_initial_weights(
 def convert_model(
     base: PreTrainedModel, num_key_value_layers: int | None = None, key_value_group_size: int = 1
 ) -> PreTrainedModel:
-    """A SwiftKV model (student on) holding ``base``'s weights plus the initialised SwiftKV weights."""
+    """A SwiftKV model (student on) holding ``base``'s weights plus the initialised SwiftKV weights.
+
+    The base weights are shared with ``base``, not copied: one copy of the model sits in memory.
+    """
     family = base.config.model_type
     if family not in FAMILIES:
         hint = " (it is already a SwiftKV model)" if family.endswith("_swiftkv") else ""

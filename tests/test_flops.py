@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 
 from swiftkv.analysis.flops import (
     base_param_count,
-    cutoff_to_num_key_value_layers,
     kv_cache_bytes_per_token,
     load_config,
     mean_attended_keys,
@@ -23,6 +22,7 @@ from swiftkv.analysis.flops import (
     swiftkv_param_count,
 )
 from swiftkv.cli import main
+from swiftkv.config import cutoff_from_fraction
 from swiftkv.modeling import FAMILIES
 from tests.tiny import tiny_config, tiny_swiftkv_model
 
@@ -175,7 +175,6 @@ def test_reads_swiftkv_layout_from_a_swiftkv_config(tmp_path):
     [
         (["missing.json", "--seq-len", "8", "--cutoff", "0.5"], "does not exist"),
         ([str(LLAMA_8B), "--seq-len", "8", "--cutoff", "1.5"], "strictly between 0 and 1"),
-        ([str(LLAMA_8B), "--seq-len", "8", "--cutoff", "0.3"], "not a whole number of layers"),
         ([str(LLAMA_8B), "--seq-len", "8", "--num-key-value-layers", "32"], "out of range"),
         (
             [str(LLAMA_8B), "--seq-len", "8", "--num-key-value-layers", "16", "--key-value-group-size", "3"],
@@ -195,4 +194,5 @@ def test_unknown_family_is_refused(tmp_path):
     path.write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         load_config(path)
-    assert cutoff_to_num_key_value_layers(80, 0.25) == 60
+    assert cutoff_from_fraction(80, 0.25) == 60
+    assert cutoff_from_fraction(30, 0.25) == 23  # never skips more than asked

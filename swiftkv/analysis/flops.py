@@ -114,19 +114,6 @@ def swiftkv_layout(config, num_key_value_layers: int | None, key_value_group_siz
     return c, g
 
 
-def cutoff_to_num_key_value_layers(num_layers: int, cutoff: float) -> int:
-    """``F`` of "F SwiftKV" (the share of layers prompt tokens skip) to the cutoff ``c = L (1 - F)``."""
-    if not 0 < cutoff < 1:
-        raise ValueError(f"cutoff {cutoff} must be a fraction strictly between 0 and 1 (0.5 = 50% SwiftKV)")
-    c = round(num_layers * (1 - cutoff))
-    if abs(c - num_layers * (1 - cutoff)) > 1e-6:
-        raise ValueError(
-            f"cutoff {cutoff} of {num_layers} layers is not a whole number of layers; "
-            "pass --num-key-value-layers instead"
-        )
-    return c
-
-
 def mean_attended_keys(seq_len: int, window: int | None) -> float:
     """Mean number of keys a token attends to in a causal prefill of ``seq_len`` tokens."""
     if seq_len < 1:

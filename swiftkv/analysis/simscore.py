@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from swiftkv.bundled import bundled_chat_data, ensure_bundled_model
+from swiftkv.config import cutoff_from_fraction
 from swiftkv.distill.schemas import MalformedRow, to_messages
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ def suggest_cutoffs(curve: Sequence[float], threshold: float) -> tuple[list[Cuto
     num_layers = len(curve) + 1
     targets = []
     for share in TARGET_SHARES:
-        c = min(max(math.ceil(num_layers * (1 - share) - 1e-9), 1), num_layers - 1)
+        c = cutoff_from_fraction(num_layers, share)
         score = curve[c] if c < len(curve) else float("nan")  # SimScore(L-1) is undefined
         targets.append(CutoffSuggestion(share, c, score, not score >= threshold))
     recommended = None

@@ -17,8 +17,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("out", help="output folder (must be empty or absent unless --overwrite)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--num-key-value-layers", type=int, help="cutoff c: layers that keep their own KV")
-    where.add_argument("--cutoff", type=float, help="cutoff as a fraction of the layers: 0.5 = c is L/2 "
-                       "(the paper's 50%% SwiftKV), 0.75 = its 25%%; default 0.5")
+    where.add_argument("--cutoff", type=float, help="the paper's 'F SwiftKV': the share of layers whose prefill "
+                       "is skipped, c = ceil(L (1 - F)); 0.5 (the default) gives c = L/2, 0.25 gives c = 3L/4")
     p.add_argument("--key-value-group-size", type=int, default=1, help="AcrossKV group size g (1 = off)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     p.set_defaults(func=run)

@@ -9,10 +9,10 @@ from pathlib import Path
 from swiftkv.analysis.flops import (
     BASE_KV_CACHE_DTYPE,
     KV_CACHE_DTYPE_BYTES,
-    cutoff_to_num_key_value_layers,
     flops_report,
     load_config,
 )
+from swiftkv.config import cutoff_from_fraction
 
 PARTS = [
     ("vocab", "vocabulary (embedding + LM head)"),
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> None:
     config = load_config(args.config)
     c = args.num_key_value_layers
     if args.cutoff is not None:
-        c = cutoff_to_num_key_value_layers(config.num_hidden_layers, args.cutoff)
+        c = cutoff_from_fraction(config.num_hidden_layers, args.cutoff)
     report = flops_report(config, args.seq_len, c, args.key_value_group_size, args.kv_cache_dtype)
     print(format_report(report))
     if args.json:
