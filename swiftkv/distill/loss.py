@@ -1,8 +1,10 @@
 """Distillation losses over the selected positions, with full-vocabulary logits made in chunks.
 
 The KL is computed from final hidden states: only ``chunk`` tokens' logits (teacher and student)
-exist at any time, and each chunk is checkpointed, so backward recomputes its logits instead of
-keeping them. A batch of 8 x 8192 tokens with a 128K vocabulary would otherwise hold 32 GB of
+exist at any time. Each chunk's gradient with respect to the student's hidden states is taken
+right away (a small ``[chunk, hidden]`` tensor) and its logits are dropped, so backward needs no
+logits at all; this also works when ZeRO-3 shards the LM head, where recomputing a checkpointed
+chunk would not. A batch of 8 x 8192 tokens with a 128K vocabulary would otherwise hold 32 GB of
 float32 logits per model.
 """
 
@@ -11,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 
 def kl_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -21,27 +22,51 @@ def kl_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperatu
     return F.kl_div(log_s, log_t, log_target=True, reduction="sum")
 
 
-def _chunk_kl(head: nn.Module, student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        teacher_logits = head(teacher)
-    return kl_sum(head(student), teacher_logits, temperature)
+class _PrecomputedGrad(torch.autograd.Function):
+    """``value`` in forward; in backward, ``grad_output * grad`` for ``inputs`` (``grad`` = d value / d inputs)."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, inputs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(grad)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return None, grad_output * grad, None
 
 
 def chunked_kl_sum(
-    head: nn.Module, student: torch.Tensor, teacher: torch.Tensor, temperature: float, chunk: int
+    head: nn.Module,
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    selected: torch.Tensor,
+    temperature: float,
+    chunk: int,
 ) -> torch.Tensor:
-    """``kl_sum`` of ``head(student)`` against ``head(teacher)`` for ``[N, H]`` hidden states,
-    ``chunk`` rows at a time. Gradients flow to ``student`` only."""
+    """``kl_sum`` of ``head(student)`` against ``head(teacher)`` over the ``selected`` rows of
+    ``[N, H]`` hidden states. Gradients flow to ``student`` only.
+
+    The rows are walked in fixed chunks of ``chunk`` positions and only each chunk's selected rows
+    go through the head, so the number of head calls depends on ``N`` alone: under ZeRO-3 every
+    call gathers the head's weight collectively, and every rank must make the same calls."""
+    need_grad = torch.is_grad_enabled() and student.requires_grad
     total = student.new_zeros((), dtype=torch.float32)
+    grad = torch.zeros_like(student) if need_grad else None
     for start in range(0, student.shape[0], chunk):
-        s, t = student[start : start + chunk], teacher[start : start + chunk]
-        if torch.is_grad_enabled() and s.requires_grad:
-            total = total + checkpoint(_chunk_kl, head, s, t, temperature, use_reentrant=False)
-        else:
-            total = total + _chunk_kl(head, s, t, temperature)
-    return total
+        rows = selected[start : start + chunk].nonzero().squeeze(-1) + start
+        s = student[rows].detach().requires_grad_(need_grad)
+        with torch.no_grad():
+            teacher_logits = head(teacher[rows])
+        kl = kl_sum(head(s), teacher_logits, temperature)
+        if need_grad and rows.numel():
+            grad[rows] = torch.autograd.grad(kl, s)[0]
+        total = total + kl.detach()
+    if not need_grad:
+        return total
+    return _PrecomputedGrad.apply(total, student, grad)
 
 
 def hidden_mse(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """Mean squared error over the selected positions' hidden states (``[N, H]``)."""
+    """Mean squared error between hidden states (``[N, H]``, the selected positions)."""
     return F.mse_loss(student.float(), teacher.float())

@@ -7,7 +7,7 @@ KL all run inside it, so ZeRO-3's parameter gathering hooks see an ordinary forw
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -15,8 +15,8 @@ from torch import nn
 from swiftkv.distill.loss import chunked_kl_sum, hidden_mse
 
 
-@dataclass
-class LossParts:
+class LossParts(NamedTuple):
+    # A tuple, so that ZeRO-3's hooks find the tensors in the module's output.
     loss: torch.Tensor
     """What backward runs on: ``tau^2 * KL + hidden_loss_weight * MSE``."""
     kl: torch.Tensor
@@ -45,7 +45,7 @@ class DistillationObjective(nn.Module):
         self.hidden_loss_weight = hidden_loss_weight
         self.chunk_tokens = chunk_tokens
 
-    def _hidden(self, swiftkv: bool, input_ids: torch.Tensor, position_ids: torch.Tensor):
+    def hidden(self, swiftkv: bool, input_ids: torch.Tensor, position_ids: torch.Tensor):
         # No attention mask and no cache: transformers reads the restarting position ids as packed
         # examples and keeps attention inside each one (see packing.py).
         self.model.swiftkv(swiftkv)
@@ -59,14 +59,15 @@ class DistillationObjective(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor) -> LossParts:
         selected = loss_mask.bool()
         with torch.no_grad():
-            teacher = self._hidden(False, input_ids, position_ids)
-        student = self._hidden(True, input_ids, position_ids)
+            teacher = self.hidden(False, input_ids, position_ids)
+        student = self.hidden(True, input_ids, position_ids)
         tokens = int(selected.sum())
-        head = self.model.get_output_embeddings()
+        width = student.last_hidden_state.shape[-1]
         kl = chunked_kl_sum(
-            head,
-            student.last_hidden_state[selected],
-            teacher.last_hidden_state[selected],
+            self.model.get_output_embeddings(),
+            student.last_hidden_state.reshape(-1, width),
+            teacher.last_hidden_state.reshape(-1, width),
+            selected.reshape(-1),
             self.temperature,
             self.chunk_tokens,
         ) / max(tokens, 1)

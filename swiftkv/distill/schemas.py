@@ -2,14 +2,16 @@
 
 - UltraChat-200k (and the generic ``messages`` format): ``messages: [{role, content}]``.
 - OpenHermes-2.5 and SlimOrca: ``conversations: [{from, value}]`` with ``system``/``human``/``gpt``.
-- chitchat-dataset: ``messages: [[{text, sender, ...}], ...]``, one inner list per turn; turns
-  alternate between the two people, and we make the first speaker the user.
+- chitchat-dataset: ``messages: [[{text, sender, ...}], ...]``, one inner list per turn of one
+  sender; converted exactly as ``swiftkv.bundled`` converts its bundled copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from swiftkv.bundled import _to_messages as bundled_chat_messages
 
 Message = dict[str, str]
 
@@ -60,13 +62,16 @@ def _from_sharegpt(row: Mapping[str, Any]) -> list[Message]:
 
 
 def _from_chitchat(row: Mapping[str, Any]) -> list[Message]:
-    out = []
+    turns = []
     for i, turn in enumerate(_field(row, "messages")):
         if not _is_nonempty_list(turn):
             raise MalformedRow(f"messages[{i}] is not a list of utterances")
-        texts = [_text(u.get("text") if isinstance(u, Mapping) else None, f"messages[{i}] text") for u in turn]
-        out.append({"role": "user" if i % 2 == 0 else "assistant", "content": "\n".join(texts)})
-    return out
+        for u in turn:
+            if not isinstance(u, Mapping) or not isinstance(u.get("text"), str) or "sender" not in u:
+                raise MalformedRow(f"messages[{i}] has an utterance without text and sender")
+        turns.append(list(turn))
+    # The same conversion as the bundled chat data: the first sender is the user.
+    return bundled_chat_messages(turns)
 
 
 _CONVERTERS: dict[str, Callable[[Mapping[str, Any]], list[Message]]] = {

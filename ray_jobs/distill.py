@@ -1,0 +1,116 @@
+"""SwiftKV knowledge-recovery distillation as a Ray job.
+
+    ray job submit --working-dir . -- python -m ray_jobs.distill --config ray_jobs/configs/<recipe>.yaml
+    python -m ray_jobs.distill --config ray_jobs/configs/smollm2-cpu.yaml --set train.max_steps=20
+
+Without ``ray job submit`` (and no ``RAY_ADDRESS``) it starts an embedded local Ray. The driver
+validates the config, lists the data files (failing fast on a bad URI), builds the Ray Data
+pipeline and runs a ``TorchTrainer``; the workers run ``swiftkv.distill.train_loop``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import fsspec
+import pyarrow.fs
+import ray
+import ray.train
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from swiftkv.distill.config import DistillConfig, load_config
+from swiftkv.distill.data import build_datasets, resolve_files
+from swiftkv.distill.model_io import resolve_model
+from swiftkv.distill.train_loop import MODEL_DIR, train_loop_per_worker
+
+logger = logging.getLogger("ray_jobs.distill")
+
+
+def total_steps(cfg: DistillConfig, train_ds: ray.data.Dataset) -> int:
+    """``max_steps``, or the optimizer steps in ``epochs`` passes (this counts the packed rows,
+    which runs the pipeline once)."""
+    if cfg.train.max_steps is not None:
+        return cfg.train.max_steps
+    rows = train_ds.count()
+    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.scaling.num_workers
+    steps = cfg.train.epochs * (rows // per_step)
+    if steps == 0:
+        raise ValueError(f"{rows} packed rows make no optimizer step of {per_step} rows: add data or set max_steps")
+    logger.info("%d packed rows -> %d steps over %d epoch(s)", rows, steps, cfg.train.epochs)
+    return steps
+
+
+def _storage(path: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
+    """Ray's storage path and filesystem: remote URIs go through fsspec (so e.g. ``AWS_ENDPOINT_URL``
+    is honoured)."""
+    if "://" not in path:
+        return path, None
+    fs, root = fsspec.core.url_to_fs(path)
+    return root, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
+
+
+def build_trainer(cfg: DistillConfig) -> TorchTrainer:
+    model_path = resolve_model(cfg.model)
+    train_ds, heldout_ds = build_datasets(cfg.data, tokenizer_path=model_path)
+    datasets = {"train": train_ds} if heldout_ds is None else {"train": train_ds, "heldout": heldout_ds}
+    storage_path, storage_fs = _storage(cfg.output.storage_path)
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"config": cfg.model_dump(), "total_steps": total_steps(cfg, train_ds)},
+        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.scaling.num_workers,
+            use_gpu=cfg.scaling.use_gpu,
+            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+        ),
+        run_config=ray.train.RunConfig(
+            name=cfg.output.name,
+            storage_path=storage_path,
+            storage_filesystem=storage_fs,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.output.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.output.num_to_keep),
+        ),
+        datasets=datasets,
+    )
+
+
+def run(cfg: DistillConfig) -> ray.train.Result:
+    """Distil on the current Ray cluster (``ray.init`` joins ``RAY_ADDRESS`` or starts a local one)."""
+    for source in cfg.data.sources:  # fail on a bad URI before starting or joining Ray
+        resolve_files(source.uri)
+    if not ray.is_initialized():
+        ray.init()
+    result = build_trainer(cfg).fit()
+    summary = {
+        "checkpoint": f"{result.checkpoint.path}/{MODEL_DIR}" if result.checkpoint else None,
+        "metrics": result.metrics,
+    }
+    print(json.dumps(summary, indent=2, default=str), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ray_jobs.distill", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="YAML recipe (see ray_jobs/configs/)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, dotted for nested keys (e.g. train.max_steps=10); repeatable",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run(load_config(args.config, args.set))
+    except (ValueError, FileNotFoundError) as err:
+        print(f"distill: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The Ray Data pipeline: read each source, map its schema to messages, mix, template, pack.
+
+read (parquet / jsonl / chitchat json; local, glob, s3:// or any fsspec URI)
+  -> sample (sample_count or weight) -> messages + held-out flag (malformed rows logged, skipped)
+  -> union of the sources -> chat template + loss mask -> packed rows of max_seq_len tokens.
+
+Everything streams: no source is read whole into the driver. Files are listed with fsspec at start,
+so an unknown format or an unreadable URI fails before any Ray work with a message naming it.
+S3 credentials and endpoint come from the environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``...).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import zlib
+from functools import lru_cache
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import ray.data
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from swiftkv.distill.chat_tokens import tokenize_chat
+from swiftkv.distill.config import DataConfig, SourceConfig
+from swiftkv.distill.packing import pack_rows
+from swiftkv.distill.schemas import MalformedRow, to_messages
+
+logger = logging.getLogger(__name__)
+
+MESSAGES_SCHEMA = pa.schema([("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))])
+BUNDLED_CHITCHAT = "bundled:chitchat"
+_EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "json"}
+
+
+def _bundled_chitchat_file() -> str:
+    spec = importlib.util.find_spec("chitchat_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("bundled:chitchat needs `pip install chitchat-dataset==0.9.0` (scripts/setup.sh)")
+    return str(Path(spec.submodule_search_locations[0]) / "dataset.json")
+
+
+def resolve_files(uri: str) -> tuple[fsspec.AbstractFileSystem, list[str], str]:
+    """``(filesystem, files, kind)`` for a source URI; raises ``FileNotFoundError`` / ``ValueError``
+    naming the URI when nothing readable is there."""
+    if uri == BUNDLED_CHITCHAT:
+        uri = _bundled_chitchat_file()
+    try:
+        fs, path = fsspec.core.url_to_fs(uri)
+        files = sorted(f for f in fs.glob(path) if fs.isfile(f)) if fs.exists(path) or "*" in path else []
+        if not files and fs.isdir(path):
+            files = sorted(f for f in fs.find(path) if Path(f).suffix in _EXTENSIONS)
+    except (OSError, ValueError, ImportError) as err:
+        raise FileNotFoundError(f"data source {uri!r} cannot be read: {err}") from err
+    if not files:
+        raise FileNotFoundError(f"data source {uri!r} matches no file")
+    kinds = {_EXTENSIONS.get(Path(f).suffix) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise ValueError(
+            f"data source {uri!r}: files must all be .parquet, all .jsonl or all .json, got "
+            f"{sorted({Path(f).suffix or '<none>' for f in files})}"
+        )
+    return fs, files, kinds.pop()
+
+
+def _chitchat_conversations(item: dict) -> list[dict]:
+    """The chitchat-dataset file (one JSON object of conversations) as one row per conversation."""
+    data = json.loads(item["bytes"])
+    return [{"messages": conversation["messages"]} for conversation in data.values()]
+
+
+def _read(src: SourceConfig) -> ray.data.Dataset:
+    fs, files, kind = resolve_files(src.uri)
+    if kind == "parquet":
+        return ray.data.read_parquet(files, filesystem=fs)
+    if kind == "jsonl":
+        return ray.data.read_json(files, filesystem=fs, file_extensions=["jsonl"])
+    if src.format != "chitchat":
+        raise ValueError(f"data source {src.uri!r}: .json files are read only for format chitchat; use .jsonl")
+    return ray.data.read_binary_files(files, filesystem=fs).flat_map(_chitchat_conversations)
+
+
+def is_heldout(messages: list[dict], fraction: float) -> bool:
+    """A stable per-example coin: the same conversation is held out in every run."""
+    text = "\x00".join(m["content"] for m in messages).encode()
+    return zlib.crc32(text) / 2**32 < fraction
+
+
+def _to_messages_batch(batch: pa.Table, fmt: str, uri: str, heldout: bool, fraction: float) -> pa.Table:
+    kept, bad = [], []
+    for row in batch.to_pylist():
+        try:
+            messages = to_messages(fmt, row)
+        except MalformedRow as err:
+            bad.append(str(err))
+            continue
+        if is_heldout(messages, fraction) == heldout:
+            kept.append({"messages": messages})
+    if bad:
+        logger.warning(
+            "%s: skipped %d malformed %s row(s) of %d; first: %s", uri, len(bad), fmt, batch.num_rows, bad[0]
+        )
+    return pa.Table.from_pylist(kept, schema=MESSAGES_SCHEMA)
+
+
+@lru_cache(maxsize=2)
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"the tokenizer of {path} has no chat template")
+    return tokenizer
+
+
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def _tokenize_and_pack(batch: pa.Table, tokenizer_path: str, cfg: DataConfig) -> dict[str, np.ndarray]:
+    tokenizer = load_tokenizer(tokenizer_path)
+    examples, bad, long = [], 0, 0
+    for row in batch.to_pylist():
+        try:
+            tokens = tokenize_chat(tokenizer, row["messages"], cfg.loss_on)
+        except MalformedRow:
+            bad += 1
+            continue
+        long += len(tokens.input_ids) > cfg.max_seq_len
+        examples.append(tokens)
+    if bad or long:
+        logger.warning(
+            "templating: skipped %d conversation(s), truncated %d over %d tokens", bad, long, cfg.max_seq_len
+        )
+    rows = pack_rows(examples, cfg.max_seq_len, pad_id(tokenizer), cfg.pack)
+    if not rows:
+        empty = np.zeros((0, cfg.max_seq_len), dtype=np.int64)
+        return {"input_ids": empty, "position_ids": empty, "loss_mask": empty}
+    return {key: np.stack([r[key] for r in rows]) for key in rows[0]}
+
+
+def _messages(cfg: DataConfig, heldout: bool) -> ray.data.Dataset:
+    parts = []
+    for i, src in enumerate(cfg.sources):
+        ds = _read(src)
+        if src.sample_count is not None:
+            ds = ds.limit(src.sample_count)
+        elif src.weight is not None:
+            ds = ds.random_sample(src.weight, seed=cfg.seed + i)
+        parts.append(
+            ds.map_batches(
+                _to_messages_batch,
+                batch_format="pyarrow",
+                fn_kwargs=dict(fmt=src.format, uri=src.uri, heldout=heldout, fraction=cfg.heldout_fraction),
+            )
+        )
+    return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+
+
+def build_datasets(cfg: DataConfig, tokenizer_path: str) -> tuple[ray.data.Dataset, ray.data.Dataset | None]:
+    """``(train, heldout)`` datasets of packed rows (``input_ids``, ``position_ids``, ``loss_mask``)."""
+    load_tokenizer(tokenizer_path)  # fail here, not in a read task, if it is missing
+
+    def packed(heldout: bool) -> ray.data.Dataset:
+        return _messages(cfg, heldout).map_batches(
+            _tokenize_and_pack,
+            batch_size=cfg.pack_window,
+            batch_format="pyarrow",
+            fn_kwargs=dict(tokenizer_path=tokenizer_path, cfg=cfg),
+        )
+
+    train = packed(heldout=False).randomize_block_order(seed=cfg.seed)
+    heldout = packed(heldout=True).limit(cfg.heldout_max_rows) if cfg.heldout_fraction > 0 else None
+    return train, heldout

@@ -1,0 +1,194 @@
+"""The distillation job on a local Ray cluster with two CPU workers (gloo, DeepSpeed ZeRO-2/3).
+
+Data comes from a real S3 server (moto) on 127.0.0.1 in the three public schemas; one worker is
+killed with SIGKILL mid-run; the final checkpoint is loaded by Hugging Face and generates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import boto3
+import psutil
+import pytest
+import ray
+import torch
+from moto.server import ThreadedMotoServer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import swiftkv  # noqa: F401
+from ray_jobs.distill import run
+from swiftkv.bundled import copy_bundled_tokenizer
+from swiftkv.distill.config import parse_config
+from tests.distill_data import sharegpt_rows, ultrachat_rows, write_jsonl, write_parquet
+from tests.tiny import TINY_VOCAB, tiny_swiftkv_model
+
+BUCKET = "swiftkv-chat"
+
+
+@pytest.fixture(scope="module")
+def s3_data(tmp_path_factory):
+    """A moto S3 server on 127.0.0.1 holding UltraChat / OpenHermes / SlimOrca files (credentials and
+    endpoint in the environment, set before Ray starts so its workers inherit them)."""
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per S3 request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket=BUCKET)
+    local = tmp_path_factory.mktemp("s3src")
+    files = {
+        "ultrachat/train-0.parquet": write_parquet(ultrachat_rows(120, 0), local / "u.parquet"),
+        "openhermes/openhermes.jsonl": write_jsonl(sharegpt_rows(120, 1), local / "o.jsonl"),
+        "slimorca/part-0.parquet": write_parquet(sharegpt_rows(60, 2), local / "s0.parquet"),
+        "slimorca/part-1.parquet": write_parquet(sharegpt_rows(60, 3), local / "s1.parquet"),
+    }
+    for key, path in files.items():
+        s3.upload_file(str(path), BUCKET, key)
+    yield [
+        {"uri": f"s3://{BUCKET}/ultrachat/*.parquet", "format": "ultrachat"},
+        {"uri": f"s3://{BUCKET}/openhermes/openhermes.jsonl", "format": "openhermes", "sample_count": 100},
+        {"uri": f"s3://{BUCKET}/slimorca/", "format": "slimorca", "weight": 0.8},
+    ]
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(s3_data):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # More logical CPUs than cores, so two 0.5-CPU workers leave room for Ray Data's tasks.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+def _config(model: Path, sources: list[dict], out: Path, **sections) -> dict:
+    tree = {
+        "model": str(model),
+        "data": {"sources": sources, "max_seq_len": 128, "heldout_fraction": 0.15, "heldout_max_rows": 8},
+        "train": {"max_steps": 8, "lr": 3e-3, "micro_batch_size": 2, "loss_chunk_tokens": 64},
+        "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
+        "output": {"storage_path": str(out), "checkpoint_every_steps": 2},
+    }
+    for name, values in sections.items():
+        tree[name] = {**tree.get(name, {}), **values}
+    return tree
+
+
+def test_s3_chat_mix_zero3_distils_and_checkpoint_generates(ray_cluster, s3_data, tmp_path):
+    # Random SwiftKV weights: the student starts far from the teacher, so recovery must show.
+    model = tiny_swiftkv_model("llama", num_hidden_layers=4, num_key_value_layers=2)
+    model.save_pretrained(tmp_path / "tiny")
+    copy_bundled_tokenizer(tmp_path / "tiny")
+    cfg = parse_config(_config(tmp_path / "tiny", s3_data, tmp_path / "out", deepspeed={"zero_stage": 3}))
+    result = run(cfg)
+    assert result.error is None
+    final = result.metrics
+    assert final["step"] == 8 and final["resumed_from_step"] == -1
+    # Held-out KL to the teacher at least halves in 8 steps.
+    assert final["heldout_kl"] < 0.5 * final["heldout_kl_at_start"], final
+
+    ckpt = Path(result.checkpoint.path) / "model"
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert loaded.config.model_type == "llama_swiftkv" and loaded.config.swiftkv
+    assert loaded.config.num_key_value_layers == 2
+    trained = dict(loaded.named_parameters())
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, trained[n])}
+    assert changed == {n for n, _ in model.swiftkv_parameters()}  # only the SwiftKV weights moved
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    out = loaded.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == prompt["input_ids"].shape[1] + 5
+
+
+def _train_worker_pids() -> list[int]:
+    """Ray Train worker processes of this test's cluster (Ray names them ``ray::RayTrainWorker``)."""
+    pids = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(proc.cmdline()).startswith("ray::RayTrainWorker"):
+                pids.append(proc.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return pids
+
+
+def _kill_a_worker_after_first_checkpoint(run_dir: Path, victim: dict, timeout_s: float = 400) -> None:
+    """SIGKILL one Ray Train worker process as soon as a checkpoint is registered."""
+    deadline = time.monotonic() + timeout_s
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    while time.monotonic() < deadline:
+        if snapshot.is_file() and "step_" in snapshot.read_text():
+            pids = _train_worker_pids()
+            if pids:
+                victim["pid"] = pids[-1]
+                os.kill(victim["pid"], signal.SIGKILL)
+                return
+        time.sleep(0.2)
+
+
+def test_killed_worker_resumes_from_checkpoint_and_rerun_resumes(ray_cluster, tmp_path):
+    # A plain Llama base checkpoint: the job converts it (SPEC initialisation) itself.
+    base = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=TINY_VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+    )
+    base.save_pretrained(tmp_path / "base")
+    copy_bundled_tokenizer(tmp_path / "base")
+    sources = [
+        {"uri": str(write_parquet(ultrachat_rows(300, 5), tmp_path / "chat" / "a.parquet")), "format": "ultrachat"}
+    ]
+    tree = _config(
+        tmp_path / "base",
+        sources,
+        tmp_path / "out",
+        train={"max_steps": 8},
+        output={"checkpoint_every_steps": 2, "max_failures": 2},
+    )
+    victim: dict = {}
+    killer = threading.Thread(
+        target=_kill_a_worker_after_first_checkpoint, args=(tmp_path / "out" / "swiftkv-distill", victim)
+    )
+    killer.start()
+    result = run(parse_config(tree))
+    killer.join()
+    assert "pid" in victim, "no worker was killed"
+    with pytest.raises(ProcessLookupError):
+        os.kill(victim["pid"], 0)  # really gone
+    assert result.error is None
+    assert result.metrics["step"] == 8
+    assert result.metrics["resumed_from_step"] >= 2  # restarted from a checkpoint, not from scratch
+
+    # The same storage path again, asking for two more steps: it resumes at step 8.
+    tree["train"]["max_steps"] = 10
+    again = run(parse_config(tree))
+    assert again.metrics["resumed_from_step"] == 8 and again.metrics["step"] == 10
