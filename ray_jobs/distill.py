@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 import fsspec
@@ -47,7 +48,7 @@ def _storage(path: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
     """Ray's storage path and filesystem: remote URIs go through fsspec (so e.g. ``AWS_ENDPOINT_URL``
     is honoured)."""
     if "://" not in path:
-        return path, None
+        return os.path.abspath(path), None  # Ray wants absolute local paths
     fs, root = fsspec.core.url_to_fs(path)
     return root, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
 

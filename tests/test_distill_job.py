@@ -23,8 +23,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import swiftkv  # noqa: F401
 from ray_jobs.distill import run
-from swiftkv.bundled import copy_bundled_tokenizer
-from swiftkv.distill.config import parse_config
+from swiftkv.bundled import copy_bundled_tokenizer, ensure_bundled_model
+from swiftkv.distill.config import DataConfig, parse_config
+from swiftkv.distill.data import build_datasets
 from tests.distill_data import sharegpt_rows, ultrachat_rows, write_jsonl, write_parquet
 from tests.tiny import TINY_VOCAB, tiny_swiftkv_model
 
@@ -192,3 +193,24 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_resumes(ray_cluster, tm
     tree["train"]["max_steps"] = 10
     again = run(parse_config(tree))
     assert again.metrics["resumed_from_step"] == 8 and again.metrics["step"] == 10
+
+
+def test_malformed_rows_are_skipped_and_bundled_chitchat_reads(ray_cluster, tmp_path):
+    bad = [
+        {"prompt": "x", "prompt_id": "bad-1", "messages": [{"role": "bot", "content": "hi"}]},
+        {"prompt": "y", "prompt_id": "bad-2", "messages": [{"role": "user", "content": "no reply"}]},
+    ]
+    path = write_jsonl(ultrachat_rows(20, 9) + bad, tmp_path / "mixed.jsonl")
+    tokenizer = str(ensure_bundled_model())
+    cfg = DataConfig(
+        sources=[{"uri": str(path), "format": "ultrachat"}], max_seq_len=128, pack=False, heldout_fraction=0
+    )
+    train, heldout = build_datasets(cfg, tokenizer)
+    assert heldout is None and train.count() == 20  # one row per good conversation, the two bad ones skipped
+    chat = DataConfig(
+        sources=[{"uri": "bundled:chitchat", "format": "chitchat", "sample_count": 40}],
+        max_seq_len=256,
+        heldout_fraction=0,
+    )
+    rows = build_datasets(chat, tokenizer)[0].take_all()
+    assert rows and all(r["loss_mask"].sum() > 0 for r in rows)

@@ -2,6 +2,7 @@
 
 Checkpoint folder (one per save, written by every worker into the same Ray checkpoint):
 - ``model/``: the student in the SPEC checkpoint layout (rank 0), ready for ``from_pretrained``;
+- ``heldout_curve.json``: every held-out KL / top-1 measurement so far (rank 0);
 - ``deepspeed/``: the trainable weights, optimizer and scheduler state of every rank, and the
   progress (step, epoch, micro-batches consumed), for resuming. Frozen weights are not repeated
   there: they come from ``model`` again on resume.
@@ -11,6 +12,7 @@ never leaves a half-written checkpoint as the latest.
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 import time
@@ -32,6 +34,7 @@ from swiftkv.distill.objective import DistillationObjective, freeze_all_but_swif
 
 DEEPSPEED_DIR = "deepspeed"
 MODEL_DIR = "model"
+CURVE_FILE = "heldout_curve.json"
 _TAG = "state"
 
 
@@ -45,6 +48,8 @@ class Progress:
     """Micro-batches of the current epoch already trained on (skipped on resume)."""
     at_start: dict[str, float] = field(default_factory=dict)
     """Held-out metrics before any training (``heldout_kl_at_start``...), repeated in every report."""
+    curve: list[dict[str, float]] = field(default_factory=list)
+    """Every held-out measurement so far (the recovery curve), written into each checkpoint."""
 
 
 def deepspeed_config(cfg: DistillConfig) -> dict[str, Any]:
@@ -121,6 +126,7 @@ class Worker:
             return {}
         batches = shard.iter_torch_batches(batch_size=self.cfg.train.micro_batch_size, device=self.device)
         metrics = heldout_metrics(self.engine.module, batches)
+        self.progress.curve.append({"step": self.progress.step, **metrics})
         self.log(
             f"held-out at step {self.progress.step}: KL {metrics['heldout_kl']:.4f}, "
             f"top-1 agreement {metrics['heldout_top1']:.3f} over {metrics['heldout_tokens']} tokens"
@@ -148,6 +154,7 @@ class Worker:
             state = _full_state_dict(self.engine, self.cfg.deepspeed.zero_stage, self.rank)
             if self.rank == 0:
                 write_hf_checkpoint(self.model, state, self.tokenizer, Path(tmp) / MODEL_DIR)
+                (Path(tmp) / CURVE_FILE).write_text(json.dumps(self.progress.curve, indent=1))
             ray.train.report(
                 metrics,
                 checkpoint=ray.train.Checkpoint.from_directory(tmp),
