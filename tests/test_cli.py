@@ -29,7 +29,7 @@ def test_convert_then_generate_as_student_and_teacher(tmp_path):
     for extra in ([], ["--teacher"]):
         out = run("generate", str(tmp_path / "swift"), "w1 w2 w3", "w4", "--max-new-tokens", "5", *extra)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.count("### ") == 2 and "2 x " in out.stdout
+        assert out.stdout.count("### ") == 2 and "(2 prompts, " in out.stdout
 
 
 def test_bad_input_is_one_line_not_a_traceback(tmp_path):

@@ -10,8 +10,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "generate",
         help="chat with a checkpoint through Hugging Face generate (the reference implementation)",
-        description="Apply MODEL's chat template to PROMPT and generate. A SwiftKV checkpoint runs as the "
-        "student with prefill skipping unless --teacher is given.",
+        description="Apply MODEL's chat template to each PROMPT and generate them as one batch. A SwiftKV "
+        "checkpoint runs as the student with prefill skipping unless --teacher is given.",
     )
     p.add_argument("model", help="checkpoint folder or hub id")
     p.add_argument("prompt", nargs="+", help="user message(s); several prompts are generated as one batch")
@@ -27,23 +27,16 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import swiftkv  # noqa: F401  (registers the SwiftKV model types)
+    from swiftkv.inference import chat_generate
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     if hasattr(model, "swiftkv"):
         model.swiftkv(not args.teacher)
-    chats = [[{"role": "user", "content": p}] for p in args.prompt]
-    batch = tokenizer.apply_chat_template(
-        chats, add_generation_prompt=True, return_tensors="pt", padding=True, return_dict=True
-    )
-    sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(**batch, max_new_tokens=args.max_new_tokens, **sampling,
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    answers = chat_generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature)
     elapsed = time.perf_counter() - start
-    prompt_len = batch["input_ids"].shape[1]
-    for prompt, row in zip(args.prompt, out, strict=True):
-        print(f"### {prompt}\n{tokenizer.decode(row[prompt_len:], skip_special_tokens=True).strip()}\n")
-    print(f"({len(args.prompt)} x {prompt_len} prompt tokens, {elapsed:.2f} s)")
+    for prompt, ids in zip(args.prompt, answers, strict=True):
+        print(f"### {prompt}\n{tokenizer.decode(ids, skip_special_tokens=True).strip()}\n")
+    print(f"({len(args.prompt)} prompts, {sum(map(len, answers))} new tokens, {elapsed:.2f} s)")
     return 0

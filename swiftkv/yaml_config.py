@@ -1,0 +1,64 @@
+"""YAML configs for every job: one typed pydantic model per job, ``--set key.path=value`` overrides,
+and errors that name the bad key. Unknown keys are errors (models are ``extra="forbid"``)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class StrictConfig(BaseModel):
+    """Base of every job config: unknown keys are errors; field docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``a.b.c=value`` in a nested dict (creating levels), so the model reports bad keys later."""
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"--set {dotted}: {part!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _explain(err: ValidationError, what: str) -> str:
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "<config>"
+        lines.append(f"{where}: unknown key" if item["type"] == "extra_forbidden" else f"{where}: {item['msg']}")
+    return f"invalid {what}:\n  " + "\n  ".join(lines)
+
+
+def parse_config(model: type[M], tree: dict[str, Any], overrides: list[str] = (), what: str = "config") -> M:
+    """Validate ``tree`` as ``model`` after applying ``key.path=value`` overrides (values parsed as YAML)."""
+    tree = copy.deepcopy(tree)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return model.model_validate(tree)
+    except ValidationError as err:
+        raise ValueError(_explain(err, what)) from None
+
+
+def load_config(model: type[M], path: str | Path, overrides: list[str] = (), what: str = "config") -> M:
+    """Read a YAML file, apply ``--set`` overrides and validate it as ``model``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    tree = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(tree, dict):
+        raise ValueError(f"{path}: the config must be a YAML mapping")
+    return parse_config(model, tree, overrides, what)
