@@ -12,7 +12,17 @@ from swiftkv.distill.config import load_config, parse_config
 from swiftkv.distill.data import resolve_files
 from tests.distill_data import ULTRACHAT_ROW, write_jsonl
 
-RECIPES = sorted((Path(__file__).parent.parent / "ray_jobs" / "configs").glob("*.yaml"))
+CONFIGS = Path(__file__).parent.parent / "ray_jobs" / "configs"
+RECIPES = [
+    CONFIGS / f"{name}.yaml"
+    for name in (
+        "llama-3.1-8b-instruct-50",
+        "llama-3.1-70b-instruct-50",
+        "qwen2.5-14b-instruct-25",
+        "mistral-small-instruct-50",
+        "smollm2-135m-cpu",
+    )
+]
 
 
 def _minimal(**data) -> dict:

@@ -75,6 +75,9 @@ def s3_data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_cluster(s3_data):
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    # DeepSpeed compiles its CPU shared-memory comm op on first use (about a minute): keep the build
+    # in the repo's ignored cache so later runs (and CI with a cached .cache/) skip it.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).parent.parent / ".cache" / "torch_extensions"))
     # More logical CPUs than cores, so two 0.5-CPU workers leave room for Ray Data's tasks.
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     ray.data.DataContext.get_current().enable_progress_bars = False

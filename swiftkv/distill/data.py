@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from swiftkv.distill.chat_tokens import tokenize_chat
 from swiftkv.distill.config import DataConfig, SourceConfig
-from swiftkv.distill.packing import pack_rows
+from swiftkv.distill.packing import pack_rows, truncate
 from swiftkv.distill.schemas import MalformedRow, to_messages
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,12 @@ def _tokenize_and_pack(batch: pa.Table, tokenizer_path: str, cfg: DataConfig) ->
         except MalformedRow:
             bad += 1
             continue
-        long += len(tokens.input_ids) > cfg.max_seq_len
+        if len(tokens.input_ids) > cfg.max_seq_len:
+            long += 1
+            tokens = truncate(tokens, cfg.max_seq_len)
+            if not any(tokens.loss_mask):  # the first reply starts past max_seq_len: nothing to learn
+                bad += 1
+                continue
         examples.append(tokens)
     if bad or long:
         logger.warning(

@@ -191,9 +191,13 @@ class Worker:
                 progress.step += 1
                 progress.batches_in_epoch = seen
                 now = time.perf_counter()
+                # Averaged over the workers, not rank 0's alone.
+                window = torch.tensor([window_loss, window_kl], dtype=torch.float64, device=self.device)
+                torch.distributed.all_reduce(window)
+                loss, kl = (window / (window_batches * self.ctx.get_world_size())).tolist()
                 metrics = {
-                    "loss": window_loss / window_batches,
-                    "kl": window_kl / window_batches,
+                    "loss": loss,
+                    "kl": kl,
                     "lr": self.engine.get_lr()[0],
                     "tokens_per_s": row_tokens * window_batches / (now - window_start),
                     "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
