@@ -255,6 +255,25 @@ def test_kv_capacity_ratio(engines, g):
     assert abs(swift - expected) <= BLOCK_SIZE, (base, swift, expected)
 
 
+def test_tensor_parallel_2_matches_hf(engines, checkpoints):
+    """TP=2 on the two CPU cores (one worker process per core): the SwiftKV projections and the group
+    caches shard by heads like the base model's, and the outputs stay those of the HF student."""
+    from vllm import LLM
+
+    engines.close()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one NUMA node here: bind one core per rank
+        llm = LLM(
+            model=str(checkpoints.path("llama", 2)), dtype="float32", enforce_eager=True, max_model_len=512,
+            max_num_batched_tokens=CHUNK_BUDGET, tensor_parallel_size=2, distributed_executor_backend="mp",
+        )
+    try:
+        prompts = [prompt(n, seed=30 + n) for n in (6, 100)]
+        assert_matches_hf(checkpoints.model("llama", 2), prompts, vllm_greedy(llm, prompts, 6), 6)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def broken_copy(checkpoints: Checkpoints, tmp_path: Path, **config_edits) -> Path:
     dst = tmp_path / "broken"
     shutil.copytree(checkpoints.path("llama", 2), dst)
@@ -272,8 +291,9 @@ def broken_copy(checkpoints: Checkpoints, tmp_path: Path, **config_edits) -> Pat
         # the weights hold group leaders for g = 2 only
         ({"key_value_group_size": 1}, {}, "lacks 4 SwiftKV tensor.*layers.3.self_attn.k_proj_swiftkv"),
         ({}, {"quantization": "gptq"}, "quantization='gptq' is not supported"),
+        ({}, {"additional_config": {"swiftkv": {"prefil_skipping": False}}}, "prefil_skipping"),
     ],
-    ids=["group-size", "architecture", "weights", "quantization"],
+    ids=["group-size", "architecture", "weights", "quantization", "unknown-option"],
 )
 def test_bad_checkpoints_fail_at_load(engines, checkpoints, tmp_path, edits, engine_kwargs, message):
     from vllm import LLM

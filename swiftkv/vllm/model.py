@@ -198,6 +198,9 @@ class SwiftKVDecode(nn.Module):
 
 @support_torch_compile(dynamic_arg_dims=_TOKEN_ARGS, enable_if=lambda vllm_config: not _is_swiftkv(vllm_config))
 class SwiftKVModel(nn.Module):
+    """The decoder: owns every weight; with SwiftKV on, runs them as the two units above with the
+    group caches written in between (compiled as one unit only for the plain base model)."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
