@@ -85,7 +85,7 @@ def ray_cluster(s3_data):
     ray.shutdown()
 
 
-def _config(model: Path, sources: list[dict], out: Path, **sections) -> dict:
+def _config(model: Path, sources: list[dict], out: Path | str, **sections) -> dict:
     tree = {
         "model": str(model),
         "data": {"sources": sources, "max_seq_len": 128, "heldout_fraction": 0.15, "heldout_max_rows": 8},
@@ -98,12 +98,13 @@ def _config(model: Path, sources: list[dict], out: Path, **sections) -> dict:
     return tree
 
 
-def test_s3_chat_mix_zero3_distils_and_checkpoint_generates(ray_cluster, s3_data, tmp_path):
+def test_s3_data_and_storage_zero3_distils_and_checkpoint_generates(ray_cluster, s3_data, tmp_path):
     # Random SwiftKV weights: the student starts far from the teacher, so recovery must show.
     model = tiny_swiftkv_model("llama", num_hidden_layers=4, num_key_value_layers=2)
     model.save_pretrained(tmp_path / "tiny")
     copy_bundled_tokenizer(tmp_path / "tiny")
-    cfg = parse_config(_config(tmp_path / "tiny", s3_data, tmp_path / "out", deepspeed={"zero_stage": 3}))
+    # Checkpoints go to S3 too.
+    cfg = parse_config(_config(tmp_path / "tiny", s3_data, f"s3://{BUCKET}/runs", deepspeed={"zero_stage": 3}))
     result = run(cfg)
     assert result.error is None
     final = result.metrics
@@ -111,7 +112,7 @@ def test_s3_chat_mix_zero3_distils_and_checkpoint_generates(ray_cluster, s3_data
     # Held-out KL to the teacher at least halves in 8 steps.
     assert final["heldout_kl"] < 0.5 * final["heldout_kl_at_start"], final
 
-    ckpt = Path(result.checkpoint.path) / "model"
+    ckpt = Path(result.checkpoint.to_directory(str(tmp_path / "downloaded"))) / "model"
     loaded = AutoModelForCausalLM.from_pretrained(ckpt)
     assert loaded.config.model_type == "llama_swiftkv" and loaded.config.swiftkv
     assert loaded.config.num_key_value_layers == 2
