@@ -127,7 +127,7 @@ def copy_bundled_tokenizer(dst: str | Path) -> None:
     AutoTokenizer.from_pretrained(ensure_bundled_model()).save_pretrained(dst)
 
 
-def _to_messages(turns: list[list[dict]]) -> Messages:
+def chitchat_messages(turns: list[list[dict]]) -> Messages:
     """One chitchat conversation (turns of utterances by two alternating senders) as chat messages:
     whoever speaks first is the user, a turn's utterances are joined by newlines (a turn left empty
     by blank utterances merges its neighbours), and a trailing user turn is dropped so that every
@@ -156,7 +156,7 @@ def _chat_data() -> tuple[tuple[tuple[str, str], ...], ...]:
         raw = json.load(f)
     out = []
     for conversation in raw.values():
-        messages = _to_messages(conversation["messages"])
+        messages = chitchat_messages(conversation["messages"])
         if messages:
             out.append(tuple((m["role"], m["content"]) for m in messages))
     return tuple(out)

@@ -6,23 +6,19 @@ default is the paper's recipe (SPEC.md) unless the field's docstring says otherw
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
+
+from swiftkv import yaml_config
+from swiftkv.yaml_config import StrictConfig
 
 FORMATS = ("ultrachat", "openhermes", "slimorca", "messages", "chitchat")
 SourceFormat = Literal["ultrachat", "openhermes", "slimorca", "messages", "chitchat"]
 
 
-class _Strict(BaseModel):
-    # Field docstrings become the field descriptions, so `--help`-style dumps can show them.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
-
-
-class SourceConfig(_Strict):
+class SourceConfig(StrictConfig):
     uri: str
     """Where the rows are: a local path, a glob, ``s3://bucket/prefix/*.parquet`` or any fsspec URI
     (``hf://datasets/...`` for hub parquet). Files are ``.parquet``, ``.jsonl`` or (chitchat) ``.json``."""
@@ -46,7 +42,7 @@ class SourceConfig(_Strict):
         return self
 
 
-class DataConfig(_Strict):
+class DataConfig(StrictConfig):
     sources: list[SourceConfig] = Field(min_length=1)
     """The chat sources to mix (the paper: UltraChat-200k, OpenHermes-2.5 and SlimOrca)."""
 
@@ -73,7 +69,7 @@ class DataConfig(_Strict):
     """Seed for source sampling and block-order shuffling."""
 
 
-class TrainConfig(_Strict):
+class TrainConfig(StrictConfig):
     micro_batch_size: int = Field(default=1, gt=0)
     """Rows per worker per forward pass."""
 
@@ -114,7 +110,7 @@ class TrainConfig(_Strict):
     """Seed for anything random in the workers."""
 
 
-class ScalingConfig(_Strict):
+class ScalingConfig(StrictConfig):
     num_workers: int = Field(default=1, gt=0)
     """Ray Train workers (one per GPU)."""
 
@@ -125,12 +121,12 @@ class ScalingConfig(_Strict):
     """Logical CPUs each worker reserves (leave some for Ray Data's read tasks)."""
 
 
-class DeepSpeedConfig(_Strict):
+class DeepSpeedConfig(StrictConfig):
     zero_stage: Literal[2, 3] = 2
     """ZeRO stage: 2 shards gradients and optimizer state, 3 also the parameters."""
 
 
-class OutputConfig(_Strict):
+class OutputConfig(StrictConfig):
     storage_path: str
     """Local folder or ``s3://`` prefix for checkpoints and results; rerunning with the same path and
     ``name`` resumes from its latest checkpoint."""
@@ -148,7 +144,7 @@ class OutputConfig(_Strict):
     """Worker-group restarts allowed (from the latest checkpoint); -1 = unlimited."""
 
 
-class DistillConfig(_Strict):
+class DistillConfig(StrictConfig):
     model: str
     """Base checkpoint: a local folder, a hub id, an ``s3://`` folder, or ``bundled`` (SmolLM2-135M-Instruct).
     A SwiftKV checkpoint is used as it is; any other is converted with the SPEC initialisation."""
@@ -166,49 +162,11 @@ class DistillConfig(_Strict):
     output: OutputConfig
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set ``a.b.c=value`` in a nested dict (creating levels), so pydantic reports bad keys later."""
-    *parents, leaf = dotted.split(".")
-    node = tree
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ValueError(f"--set {dotted}: {part!r} is not a section")
-        node = child
-    node[leaf] = value
-
-
-def _explain(err: ValidationError) -> str:
-    lines = []
-    for item in err.errors():
-        where = ".".join(str(p) for p in item["loc"]) or "<config>"
-        if item["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown key")
-        else:
-            lines.append(f"{where}: {item['msg']}")
-    return "invalid distillation config:\n  " + "\n  ".join(lines)
-
-
 def parse_config(tree: dict[str, Any], overrides: list[str] = ()) -> DistillConfig:
     """Validate a config tree after applying ``key.path=value`` overrides (values parsed as YAML)."""
-    tree = copy.deepcopy(tree)
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
-    try:
-        return DistillConfig.model_validate(tree)
-    except ValidationError as err:
-        raise ValueError(_explain(err)) from None
+    return yaml_config.parse_config(DistillConfig, tree, overrides, what="distillation config")
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> DistillConfig:
     """Read a YAML recipe, apply ``--set`` overrides and validate it."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    tree = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(tree, dict):
-        raise ValueError(f"{path}: the config must be a YAML mapping")
-    return parse_config(tree, overrides)
+    return yaml_config.load_config(DistillConfig, path, overrides, what="distillation config")

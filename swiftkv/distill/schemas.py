@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from swiftkv.bundled import _to_messages as bundled_chat_messages
+from swiftkv.bundled import chitchat_messages
 
 Message = dict[str, str]
 
@@ -71,7 +71,7 @@ def _from_chitchat(row: Mapping[str, Any]) -> list[Message]:
                 raise MalformedRow(f"messages[{i}] has an utterance without text and sender")
         turns.append(list(turn))
     # The same conversion as the bundled chat data: the first sender is the user.
-    return bundled_chat_messages(turns)
+    return chitchat_messages(turns)
 
 
 _CONVERTERS: dict[str, Callable[[Mapping[str, Any]], list[Message]]] = {
