@@ -285,6 +285,8 @@ class SwiftKVModel(nn.Module):
         if rows is None:  # warm-up/profiling: every row goes on
             return self.decode(positions, hidden)
         indices, num_rows = rows
+        if num_rows == hidden.shape[0]:  # decode-only step: every row needs logits, in order
+            return self.decode(positions, hidden)
         padded = indices.shape[0]
         self._rows_positions[:padded].copy_(positions[indices])
         self._rows_hidden[:padded].copy_(hidden[indices])
