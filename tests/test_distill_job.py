@@ -6,7 +6,6 @@ killed with SIGKILL mid-run; the final checkpoint is loaded by Hugging Face and 
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -18,7 +17,6 @@ import psutil
 import pytest
 import ray
 import torch
-from moto.server import ThreadedMotoServer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import swiftkv  # noqa: F401
@@ -27,6 +25,7 @@ from swiftkv.bundled import copy_bundled_tokenizer, ensure_bundled_model
 from swiftkv.distill.config import DataConfig, parse_config
 from swiftkv.distill.data import build_datasets
 from tests.distill_data import sharegpt_rows, ultrachat_rows, write_jsonl, write_parquet
+from tests.s3_server import moto_s3_server
 from tests.tiny import TINY_VOCAB, tiny_swiftkv_model
 
 BUCKET = "swiftkv-chat"
@@ -36,12 +35,13 @@ BUCKET = "swiftkv-chat"
 def s3_data(tmp_path_factory):
     """A moto S3 server on 127.0.0.1 holding UltraChat / OpenHermes / SlimOrca files (credentials and
     endpoint in the environment, set before Ray starts so its workers inherit them)."""
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per S3 request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    with moto_s3_server() as endpoint:
+        yield from _s3_data(endpoint, tmp_path_factory)
+
+
+def _s3_data(endpoint: str, tmp_path_factory):
     env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ENDPOINT_URL": endpoint,
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
@@ -64,7 +64,6 @@ def s3_data(tmp_path_factory):
         {"uri": f"s3://{BUCKET}/openhermes/openhermes.jsonl", "format": "openhermes", "sample_count": 100},
         {"uri": f"s3://{BUCKET}/slimorca/", "format": "slimorca", "weight": 0.8},
     ]
-    server.stop()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
