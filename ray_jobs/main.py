@@ -42,7 +42,7 @@ class MainConfig(StrictConfig):
     main job stays around ten minutes on two cores."""
 
     simscore_samples: int = Field(default=16, gt=0)
-    """Conversations of the recipe's first source (or the bundled chat data) scored by SimScore."""
+    """Bundled chat conversations (chitchat) SimScore runs the base model on."""
 
     simscore_max_len: int = Field(default=256, gt=8)
     """Tokens per conversation for SimScore."""
