@@ -10,7 +10,6 @@ pipeline and runs a ``TorchTrainer``; the workers run ``swiftkv.distill.train_lo
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from swiftkv.distill.config import DistillConfig, load_config
 from swiftkv.distill.data import build_datasets, resolve_files
 from swiftkv.distill.model_io import resolve_model
 from swiftkv.distill.train_loop import MODEL_DIR, train_loop_per_worker
+from swiftkv.yaml_config import job_main
 
 logger = logging.getLogger("ray_jobs.distill")
 
@@ -94,24 +94,12 @@ def run(cfg: DistillConfig) -> ray.train.Result:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ray_jobs.distill", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="YAML recipe (see ray_jobs/configs/)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, dotted for nested keys (e.g. train.max_steps=10); repeatable",
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        run(load_config(args.config, args.set))
-    except (ValueError, FileNotFoundError) as err:
-        print(f"distill: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    def load(path: str | None, overrides: list[str]) -> DistillConfig:
+        if path is None:
+            raise ValueError("--config is required (a recipe from ray_jobs/configs/)")
+        return load_config(path, overrides)
 
+    return job_main("python -m ray_jobs.distill", __doc__.split("\n\n")[0], load, run, argv, "YAML recipe (see ray_jobs/configs/)")
 
 if __name__ == "__main__":
     sys.exit(main())

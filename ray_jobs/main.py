@@ -12,7 +12,6 @@ HF student's and vLLM's answers to a few chat prompts).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from swiftkv.yaml_config import StrictConfig, load_config
+from swiftkv.yaml_config import StrictConfig, job_main, load_config, parse_config
 
 log = logging.getLogger("ray_jobs.main")
 
@@ -173,25 +172,13 @@ def run(cfg: MainConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ray_jobs.main", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="YAML config (default: the embedded SmolLM2 CPU default)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key (e.g. distill_overrides=[train.max_steps=10]); repeatable")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        if args.config:
-            cfg = load_config(MainConfig, args.config, args.set, what="main job config")
-        else:
-            from swiftkv.yaml_config import parse_config
+    def load(path: str | None, overrides: list[str]) -> MainConfig:
+        if path is None:  # the embedded default
+            return parse_config(MainConfig, {}, overrides, what="main job config")
+        return load_config(MainConfig, path, overrides, what="main job config")
 
-            cfg = parse_config(MainConfig, {}, args.set, what="main job config")
-        run(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"main: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
+    return job_main("python -m ray_jobs.main", __doc__.split("\n\n")[0], load, run, argv,
+                    "YAML config (default: the embedded SmolLM2 CPU default)")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,11 @@ and errors that name the bad key. Unknown keys are errors (models are ``extra="f
 
 from __future__ import annotations
 
+import argparse
 import copy
+import logging
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,3 +66,29 @@ def load_config(model: type[M], path: str | Path, overrides: list[str] = (), wha
     if not isinstance(tree, dict):
         raise ValueError(f"{path}: the config must be a YAML mapping")
     return parse_config(model, tree, overrides, what)
+
+
+def job_main(
+    prog: str,
+    description: str,
+    load: Callable[[str | None, list[str]], M],
+    run: Callable[[M], object],
+    argv: list[str] | None = None,
+    config_help: str = "YAML config",
+) -> int:
+    """The command line of a config-driven job: ``--config FILE`` and repeatable ``--set key=value``;
+    bad input is one ``prog: error: ...`` line and exit code 2."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", help=config_help)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key, dotted for nested keys (e.g. train.max_steps=10); values are YAML; repeatable",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run(load(args.config, args.set))
+    except (ValueError, FileNotFoundError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
