@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--config is required (a recipe from ray_jobs/configs/)")
         return load_config(path, overrides)
 
-    return job_main("python -m ray_jobs.distill", __doc__.split("\n\n")[0], load, run, argv, "YAML recipe (see ray_jobs/configs/)")
+    return job_main(
+        "python -m ray_jobs.distill", __doc__.split("\n\n")[0], load, run, argv, "YAML recipe (see ray_jobs/configs/)"
+    )
 
 if __name__ == "__main__":
     sys.exit(main())
