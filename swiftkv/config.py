@@ -60,3 +60,14 @@ def cutoff_from_fraction(num_layers: int, fraction: float) -> int:
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"--cutoff must be a fraction strictly between 0 and 1 (0.5 = 50% SwiftKV), got {fraction}")
     return min(max(math.ceil(num_layers * (1 - fraction) - 1e-9), 1), num_layers - 1)
+
+
+def attention_head_dim(config) -> int:
+    """Width of one attention head: ``head_dim`` when the config sets it, else ``hidden / heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def qkv_has_bias(config) -> bool:
+    """Whether q/k/v (and their SwiftKV copies) carry biases: Qwen2 always, Llama and Mistral when
+    ``attention_bias`` is set. Shared by the cost model and the vLLM model."""
+    return config.model_type.removesuffix("_swiftkv") == "qwen2" or bool(getattr(config, "attention_bias", False))

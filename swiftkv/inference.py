@@ -19,16 +19,12 @@ def chat_generate(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.inference_mode():
         out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
     width = batch["input_ids"].shape[1]
     answers = []
     for row in out[:, width:].tolist():
-        # Stop at the first end-of-sequence token (generate pads finished rows with it).
-        stop = [i for i, t in enumerate(row) if t in _eos_ids(model, tokenizer)]
-        answers.append(row[: stop[0] + 1] if stop else row)
+        # Cut after the first end-of-sequence token (generate pads finished rows with it).
+        stop = next((i for i, t in enumerate(row) if t in eos_ids), len(row) - 1)
+        answers.append(row[: stop + 1])
     return answers
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import ray
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import swiftkv  # noqa: F401
 from ray_jobs.distill import run
@@ -26,7 +26,7 @@ from swiftkv.distill.config import DataConfig, parse_config
 from swiftkv.distill.data import build_datasets
 from tests.distill_data import sharegpt_rows, ultrachat_rows, write_jsonl, write_parquet
 from tests.s3_server import moto_s3_server
-from tests.tiny import TINY_VOCAB, tiny_swiftkv_model
+from tests.tiny import save_tiny_base, tiny_swiftkv_model
 
 BUCKET = "swiftkv-chat"
 
@@ -154,20 +154,7 @@ def _kill_a_worker_after_first_checkpoint(run_dir: Path, victim: dict, timeout_s
 
 def test_killed_worker_resumes_from_checkpoint_and_rerun_resumes(ray_cluster, tmp_path):
     # A plain Llama base checkpoint: the job converts it (SPEC initialisation) itself.
-    base = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=TINY_VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            eos_token_id=2,
-            pad_token_id=2,
-        )
-    )
-    base.save_pretrained(tmp_path / "base")
-    copy_bundled_tokenizer(tmp_path / "base")
+    save_tiny_base(tmp_path / "base", "llama", bundled_tokenizer=True)
     sources = [
         {"uri": str(write_parquet(ultrachat_rows(300, 5), tmp_path / "chat" / "a.parquet")), "format": "ultrachat"}
     ]

@@ -89,9 +89,14 @@ def tiny_tokenizer():
     return tokenizer
 
 
-def save_tiny_base(path, family: str = "llama", num_hidden_layers: int = 4, seed: int = 0):
-    """A tiny random *base* (non-SwiftKV) checkpoint with a tokenizer, as a user's base model folder."""
+def save_tiny_base(
+    path, family: str = "llama", num_hidden_layers: int = 4, seed: int = 0, bundled_tokenizer: bool = False
+):
+    """A tiny random *base* (non-SwiftKV) checkpoint with a tokenizer, as a user's base model folder:
+    the offline word-level one, or the bundled SmolLM2 tokenizer (real chat template, 49152 ids)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swiftkv.bundled import copy_bundled_tokenizer
 
     fields = {k: v for k, v in tiny_config(family, num_hidden_layers=num_hidden_layers).to_dict().items()
               if k not in ("model_type", "architectures", "swiftkv", "num_key_value_layers",
@@ -99,5 +104,8 @@ def save_tiny_base(path, family: str = "llama", num_hidden_layers: int = 4, seed
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields))
     model.save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
+    if bundled_tokenizer:
+        copy_bundled_tokenizer(path)
+    else:
+        tiny_tokenizer().save_pretrained(path)
     return model.eval()

@@ -23,11 +23,12 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from swiftkv.config import check_swiftkv_shape
-from swiftkv.modeling.model import layer_types  # importing swiftkv.modeling registers *_swiftkv configs
+from swiftkv.config import attention_head_dim, check_swiftkv_shape, qkv_has_bias
+from swiftkv.modeling import FAMILIES  # importing swiftkv.modeling registers *_swiftkv configs
+from swiftkv.modeling.model import layer_types
 
-# Base families and their SwiftKV model types; the cost model covers what swiftkv.modeling covers.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "llama_swiftkv", "mistral_swiftkv", "qwen2_swiftkv")
+# Base families and their SwiftKV model types: the cost model covers what swiftkv.modeling covers.
+SUPPORTED_MODEL_TYPES = (*FAMILIES, *(config_cls.model_type for config_cls, _ in FAMILIES.values()))
 
 # Bytes per stored K or V element for --kv-cache-dtype.
 KV_CACHE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -77,7 +78,6 @@ class ModelShape:
     @classmethod
     def from_config(cls, config) -> ModelShape:
         check_family(config.model_type, "config")
-        qwen2 = config.model_type.startswith("qwen2")
         attention_bias = bool(getattr(config, "attention_bias", False))
         window = getattr(config, "sliding_window", None)
         return cls(
@@ -85,11 +85,11 @@ class ModelShape:
             hidden=config.hidden_size,
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            head_dim=attention_head_dim(config),
             intermediate=config.intermediate_size,
             vocab=config.vocab_size,
             tied_embeddings=bool(config.tie_word_embeddings),
-            qkv_bias=qwen2 or attention_bias,  # Qwen2 always has q/k/v biases
+            qkv_bias=qkv_has_bias(config),
             o_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             attention_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types(config)),

@@ -9,17 +9,14 @@ from pydantic import BaseModel, ConfigDict
 from vllm.config import VllmConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from swiftkv.modeling import FAMILIES
 from swiftkv.modeling.model import layer_types
 from swiftkv.vllm.layout import SwiftKVLayout
 
 logger = logging.getLogger(__name__)
 
-# Architecture -> the model_type its checkpoints carry.
-ARCHITECTURES = {
-    "LlamaSwiftKVForCausalLM": "llama_swiftkv",
-    "MistralSwiftKVForCausalLM": "mistral_swiftkv",
-    "Qwen2SwiftKVForCausalLM": "qwen2_swiftkv",
-}
+# Architecture -> the model_type its checkpoints carry (the HF classes' names, as in config.json).
+ARCHITECTURES = {model_cls.__name__: config_cls.model_type for config_cls, model_cls in FAMILIES.values()}
 # Quantisation methods the model's layers take as they are (None: unquantised; fp8: vLLM's online
 # FP8 weight quantisation, which works on any linear layer). Checkpoint-quantised formats would
 # need their packed tensors mapped onto the SwiftKV projections, which we do not do.

@@ -9,10 +9,11 @@ from torch import nn
 from transformers import PretrainedConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
-from swiftkv.config import check_swiftkv_shape
+from swiftkv.config import attention_head_dim, check_swiftkv_shape, qkv_has_bias
+from swiftkv.modeling import FAMILIES
 
-# model_type -> whether q/k/v carry biases regardless of ``attention_bias`` (Qwen2 always does).
-FAMILY_QKV_BIAS = {"llama_swiftkv": False, "mistral_swiftkv": False, "qwen2_swiftkv": True}
+# The SwiftKV model types the plugin serves: those swiftkv.modeling defines.
+SERVED_MODEL_TYPES = tuple(config_cls.model_type for config_cls, _ in FAMILIES.values())
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,10 @@ class SwiftKVLayout:
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, tp_size: int) -> SwiftKVLayout:
-        if config.model_type not in FAMILY_QKV_BIAS:
+        if config.model_type not in SERVED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {config.model_type!r} is not served by the SwiftKV vLLM plugin; "
-                f"supported: {sorted(FAMILY_QKV_BIAS)}"
+                f"supported: {sorted(SERVED_MODEL_TYPES)}"
             )
         num_layers = config.num_hidden_layers
         if config.swiftkv:
@@ -82,7 +83,7 @@ class SwiftKVLayout:
         heads = HeadLayout(
             total_num_heads=config.num_attention_heads,
             total_num_kv_heads=config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            head_dim=attention_head_dim(config),
             tp_size=tp_size,
         )
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -91,7 +92,7 @@ class SwiftKVLayout:
             num_layers=num_layers,
             num_kv_layers=config.num_key_value_layers if config.swiftkv else num_layers,
             group_size=config.key_value_group_size if config.swiftkv else 1,
-            qkv_bias=FAMILY_QKV_BIAS[config.model_type] or attention_bias,
+            qkv_bias=qkv_has_bias(config),
             o_proj_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             max_position=getattr(config, "max_position_embeddings", 8192),
