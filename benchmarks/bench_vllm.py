@@ -84,6 +84,25 @@ def prepare_models(model: str, work: Path, cutoff: float, group_size: int | None
     return variants
 
 
+def fit_input_lens(args: argparse.Namespace, base: Path) -> list[int]:
+    """Input lengths that fit the model's context with the longest output (and 8 spare tokens):
+    longer ones are cut to fit, and the report names the length actually run."""
+    from transformers import AutoConfig
+
+    context = AutoConfig.from_pretrained(base).max_position_embeddings
+    longest = context - max(args.output_lens + [args.latency_output_len]) - 8
+    if args.latency_input_len > longest:
+        raise SystemExit(f"--latency-input-len {args.latency_input_len} does not fit the context of {context}")
+    fitted = []
+    for n in args.input_lens:
+        if n > longest:
+            log.warning("input length %d + outputs exceed the model's %d positions: running %d", n, context, longest)
+            n = longest
+        if n not in fitted:
+            fitted.append(n)
+    return fitted
+
+
 def start_engine(variant: Variant, args: argparse.Namespace):
     from vllm import LLM
 
@@ -295,6 +314,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
     variants = prepare_models(args.model, args.work_dir, args.cutoff, args.group_size)
+    args.input_lens = fit_input_lens(args, variants[0].path)
     benchmark(args, variants)
     result = summarize(variants, args)
     args.out.mkdir(parents=True, exist_ok=True)

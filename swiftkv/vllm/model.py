@@ -281,19 +281,25 @@ class SwiftKVModel(nn.Module):
         for cache, k, v in zip(self.group_caches, key.chunk(num_groups, -1), value.chunk(num_groups, -1), strict=True):
             write_kv_cache(cache, k, v)
 
+        # The decode unit always reads its inputs from the static buffers (CUDA graphs replay fixed
+        # addresses), as Gemma3n's YOCO split does.
         rows = logits_rows(self.layers[-1].self_attn.attn)
-        if rows is None:  # warm-up/profiling: every row goes on
-            return self.decode(positions, hidden)
+        num_tokens = hidden.shape[0]
+        if rows is None or rows[1] == num_tokens:
+            # Every row goes on, in order: warm-up, profiling and CUDA-graph capture runs, and
+            # decode-only steps (each token is its request's logits row).
+            self._rows_positions[:num_tokens].copy_(positions)
+            self._rows_hidden[:num_tokens].copy_(hidden)
+            return self.decode(self._rows_positions[:num_tokens], self._rows_hidden[:num_tokens])
         indices, num_rows = rows
-        if num_rows == hidden.shape[0]:  # decode-only step: every row needs logits, in order
-            return self.decode(positions, hidden)
         padded = indices.shape[0]
         self._rows_positions[:padded].copy_(positions[indices])
         self._rows_hidden[:padded].copy_(hidden[indices])
-        out = self.decode(self._rows_positions[:padded], self._rows_hidden[:padded])
-        # Only the logits rows are read; the others keep their cutoff state. The clone keeps the
-        # returned tensor apart from the compiled unit's output buffer.
+        # Cloned before the decode unit runs: under piecewise CUDA graphs the prefill unit's output
+        # is a weak reference into the graph pool, which the decode unit's graphs may reuse.
         hidden = hidden.clone()
+        out = self.decode(self._rows_positions[:padded], self._rows_hidden[:padded])
+        # Only the logits rows are read; the others keep their cutoff state.
         hidden[indices[:num_rows]] = out[:num_rows]
         return hidden
 
