@@ -2,16 +2,21 @@
 
 ``resolve_model`` turns the config's ``model`` into something ``from_pretrained`` can open on this
 node (``bundled`` and ``s3://`` folders become local folders); ``load_student`` returns a SwiftKV
-model with the SPEC initialisation (or a SwiftKV checkpoint as it is); ``write_hf_checkpoint``
+model with the SPEC initialisation (or a SwiftKV checkpoint as it is, built already sharded under
+ZeRO-3); ``write_hf_checkpoint``
 writes the SPEC checkpoint layout, loadable by ``AutoModelForCausalLM`` after ``import swiftkv``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import torch
@@ -20,6 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 import swiftkv  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.bundled import ensure_bundled_model
 from swiftkv.convert import convert_model, load_base_model
+
+log = logging.getLogger(__name__)
 
 
 def _download(uri: str) -> Path:
@@ -49,10 +56,36 @@ def resolve_model(ref: str) -> str:
     return ref
 
 
-def load_student(path: str, num_key_value_layers: int | None, key_value_group_size: int, dtype: torch.dtype):
+@contextmanager
+def zero3_partitioned_init(deepspeed_config: dict[str, Any]) -> Iterator[None]:
+    """While open, ``from_pretrained`` builds models under ``deepspeed.zero.Init`` (transformers'
+    DeepSpeed integration): each parameter is sharded across the ranks as it is created, so no
+    worker ever holds the whole model."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hf_config = HfDeepSpeedConfig(deepspeed_config)  # transformers sees ZeRO-3 while this lives
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del hf_config
+
+
+def load_student(
+    path: str,
+    num_key_value_layers: int | None,
+    key_value_group_size: int,
+    dtype: torch.dtype,
+    deepspeed_config: dict[str, Any] | None = None,
+):
     """The SwiftKV model to distil: converted from a base checkpoint, or a SwiftKV checkpoint as it is
-    (whose cutoff and group size must then agree with the config's, when given)."""
+    (whose cutoff and group size must then agree with the config's, when given).
+
+    With a ZeRO-3 ``deepspeed_config`` a SwiftKV checkpoint is loaded already partitioned; a base
+    checkpoint is converted whole on every worker first (convert once with ``swiftkv convert`` to
+    avoid that for large models)."""
     config = AutoConfig.from_pretrained(path)
+    zero3 = bool(deepspeed_config) and deepspeed_config["zero_optimization"]["stage"] == 3
     if config.model_type.endswith("_swiftkv"):
         want = (num_key_value_layers or config.num_key_value_layers, key_value_group_size)
         have = (config.num_key_value_layers, config.key_value_group_size)
@@ -61,7 +94,13 @@ def load_student(path: str, num_key_value_layers: int | None, key_value_group_si
                 f"{path} is a SwiftKV checkpoint with num_key_value_layers={have[0]}, key_value_group_size="
                 f"{have[1]}, but the config asks for {want[0]}, {want[1]}"
             )
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with zero3_partitioned_init(deepspeed_config) if zero3 else nullcontext():
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if zero3:
+        log.warning(
+            "%s is a base checkpoint: every worker converts the whole model before ZeRO-3 shards it; "
+            "run `swiftkv convert` once and point `model` at the result to load it sharded", path
+        )
     return convert_model(load_base_model(path, dtype=dtype), num_key_value_layers, key_value_group_size)
 
 

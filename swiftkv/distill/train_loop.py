@@ -88,7 +88,8 @@ class Worker:
         path = resolve_model(cfg.model)
         self.tokenizer = load_tokenizer(path)
         dtype = torch.bfloat16 if cfg.scaling.use_gpu else torch.float32
-        self.model = load_student(path, cfg.num_key_value_layers, cfg.key_value_group_size, dtype)
+        ds_config = deepspeed_config(cfg)
+        self.model = load_student(path, cfg.num_key_value_layers, cfg.key_value_group_size, dtype, ds_config)
         if cfg.train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         trainable = freeze_all_but_swiftkv(self.model)
@@ -99,7 +100,7 @@ class Worker:
         warmup = math.ceil(cfg.train.warmup_ratio * total_steps)
         scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg)
+            model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
         self.progress = Progress()
         self.resumed_from_step = -1  # reported with every metric: -1 = a fresh start
