@@ -21,7 +21,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from swiftkv.distill.config import DistillConfig, load_config
+from swiftkv.distill.config import DistillConfig
 from swiftkv.distill.data import build_datasets, resolve_files
 from swiftkv.distill.model_io import resolve_model
 from swiftkv.distill.train_loop import MODEL_DIR, train_loop_per_worker
@@ -94,14 +94,9 @@ def run(cfg: DistillConfig) -> ray.train.Result:
 
 
 def main(argv: list[str] | None = None) -> int:
-    def load(path: str | None, overrides: list[str]) -> DistillConfig:
-        if path is None:
-            raise ValueError("--config is required (a recipe from ray_jobs/configs/)")
-        return load_config(path, overrides)
+    return job_main("python -m ray_jobs.distill", __doc__.split("\n\n")[0], DistillConfig, run, argv,
+                    what="distillation config", config_help="a recipe from ray_jobs/configs/", config_required=True)
 
-    return job_main(
-        "python -m ray_jobs.distill", __doc__.split("\n\n")[0], load, run, argv, "YAML recipe (see ray_jobs/configs/)"
-    )
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from swiftkv.yaml_config import StrictConfig, job_main, load_config, parse_config
+from swiftkv.yaml_config import StrictConfig, job_main
 
 log = logging.getLogger("ray_jobs.main")
 
@@ -172,13 +172,9 @@ def run(cfg: MainConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    def load(path: str | None, overrides: list[str]) -> MainConfig:
-        if path is None:  # the embedded default
-            return parse_config(MainConfig, {}, overrides, what="main job config")
-        return load_config(MainConfig, path, overrides, what="main job config")
+    return job_main("python -m ray_jobs.main", __doc__.split("\n\n")[0], MainConfig, run, argv,
+                    what="main job config", config_help="YAML config (default: the embedded SmolLM2 CPU default)")
 
-    return job_main("python -m ray_jobs.main", __doc__.split("\n\n")[0], load, run, argv,
-                    "YAML config (default: the embedded SmolLM2 CPU default)")
 
 if __name__ == "__main__":
     sys.exit(main())

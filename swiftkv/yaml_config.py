@@ -71,13 +71,16 @@ def load_config(model: type[M], path: str | Path, overrides: list[str] = (), wha
 def job_main(
     prog: str,
     description: str,
-    load: Callable[[str | None, list[str]], M],
+    model: type[M],
     run: Callable[[M], object],
     argv: list[str] | None = None,
+    what: str = "config",
     config_help: str = "YAML config",
+    config_required: bool = False,
 ) -> int:
-    """The command line of a config-driven job: ``--config FILE`` and repeatable ``--set key=value``;
-    bad input is one ``prog: error: ...`` line and exit code 2."""
+    """The command line of a config-driven job: ``--config FILE`` (without it, every field's default,
+    unless ``config_required``) and repeatable ``--set key=value``; bad input is one
+    ``prog: error: ...`` line and exit code 2."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help=config_help)
     parser.add_argument(
@@ -87,7 +90,13 @@ def job_main(
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run(load(args.config, args.set))
+        if args.config is not None:
+            cfg = load_config(model, args.config, args.set, what)
+        elif config_required:
+            raise ValueError(f"--config is required ({config_help})")
+        else:
+            cfg = parse_config(model, {}, args.set, what)
+        run(cfg)
     except (ValueError, FileNotFoundError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2

@@ -75,6 +75,8 @@ def test_cli_reports_bad_key_and_bad_uri_without_starting_ray(tmp_path, capsys):
     missing = f"data.sources=[{{uri: {tmp_path}/nothing/*.parquet, format: ultrachat}}]"
     assert distill_main(["--config", str(path), "--set", missing]) == 2
     assert "matches no file" in capsys.readouterr().err
+    assert distill_main(["--set", "train.max_steps=2"]) == 2
+    assert "--config is required (a recipe from ray_jobs/configs/)" in capsys.readouterr().err
 
 
 def test_unreadable_sources_fail_with_the_uri(tmp_path):
