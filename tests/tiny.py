@@ -90,7 +90,12 @@ def tiny_tokenizer():
 
 
 def save_tiny_base(
-    path, family: str = "llama", num_hidden_layers: int = 4, seed: int = 0, bundled_tokenizer: bool = False
+    path,
+    family: str = "llama",
+    num_hidden_layers: int = 4,
+    seed: int = 0,
+    bundled_tokenizer: bool = False,
+    **config_overrides,
 ):
     """A tiny random *base* (non-SwiftKV) checkpoint with a tokenizer, as a user's base model folder:
     the offline word-level one, or the bundled SmolLM2 tokenizer (real chat template, 49152 ids)."""
@@ -98,7 +103,8 @@ def save_tiny_base(
 
     from swiftkv.bundled import copy_bundled_tokenizer
 
-    fields = {k: v for k, v in tiny_config(family, num_hidden_layers=num_hidden_layers).to_dict().items()
+    config = tiny_config(family, num_hidden_layers=num_hidden_layers, **config_overrides)
+    fields = {k: v for k, v in config.to_dict().items()
               if k not in ("model_type", "architectures", "swiftkv", "num_key_value_layers",
                            "key_value_group_size", "transformers_version")}
     torch.manual_seed(seed)

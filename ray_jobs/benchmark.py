@@ -1,0 +1,54 @@
+"""vLLM serving benchmark as a Ray job: the base model, SwiftKV and SwiftKV + AcrossKV on the same
+weights, measured side by side (``swiftkv/vllm/benchmark.py`` says what and how).
+
+    python -m ray_jobs.benchmark --config ray_jobs/configs/bench-smollm2-cpu.yaml
+    ray job submit --working-dir . -- python -m ray_jobs.benchmark \\
+        --config ray_jobs/configs/bench-llama-3.1-8b-gpu.yaml --set out=s3://my-bucket/bench/8b
+
+The measurement runs in one Ray task that reserves the GPUs (or CPUs) it needs, so on a cluster it
+lands on a node that has them; the driver writes ``results.json``, ``report.txt`` and
+``throughput_ratio.png`` to ``out`` (a folder or any fsspec URI) and prints the report.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import fsspec
+
+from swiftkv.vllm.benchmark import ServingBenchConfig, format_report, plot_png, run_benchmark
+from swiftkv.yaml_config import job_main
+
+
+def run(cfg: ServingBenchConfig) -> dict:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    task = ray.remote(run_benchmark).options(
+        num_cpus=cfg.cpus, num_gpus=cfg.tensor_parallel_size if cfg.use_gpu else 0, max_retries=0
+    )
+    result = ray.get(task.remote(cfg))
+    report = format_report(result)
+    fs, root = fsspec.core.url_to_fs(cfg.out)
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe(
+        {
+            f"{root}/results.json": json.dumps(result, indent=2).encode(),
+            f"{root}/report.txt": report.encode() + b"\n",
+            f"{root}/throughput_ratio.png": plot_png(result),
+        }
+    )
+    print(report)
+    print(f"\nwrote results.json, report.txt and throughput_ratio.png to {cfg.out}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return job_main("python -m ray_jobs.benchmark", __doc__.split("\n\n")[0], ServingBenchConfig, run, argv,
+                    what="benchmark config", config_help="YAML config (default: every field's default)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
