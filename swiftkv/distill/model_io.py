@@ -59,8 +59,9 @@ def resolve_model(ref: str) -> str:
 @contextmanager
 def zero3_partitioned_init(deepspeed_config: dict[str, Any]) -> Iterator[None]:
     """While open, ``from_pretrained`` builds models under ``deepspeed.zero.Init`` (transformers'
-    DeepSpeed integration): each parameter is sharded across the ranks as it is created, so no
-    worker ever holds the whole model."""
+    DeepSpeed integration): each parameter is sharded across the ranks as it is created and the
+    checkpoint's values are copied in one module at a time, so no worker builds a full copy of the
+    model's parameters (each still reads the checkpoint files)."""
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
     hf_config = HfDeepSpeedConfig(deepspeed_config)  # transformers sees ZeRO-3 while this lives
