@@ -1,0 +1,111 @@
+"""vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``) serves a tiny SwiftKV
+checkpoint through our plugin, called with the real ``openai`` client: greedy completions equal the
+HF student's tokens and logprobs, chat goes through the checkpoint's template, and prompt logprobs
+(which prefill skipping cannot give) are refused with HTTP 400 naming the reason."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from swiftkv.bundled import copy_bundled_tokenizer
+from tests.test_vllm_serving import LOGPROB_ATOL, hf_greedy, prompt
+from tests.tiny import tiny_swiftkv_model
+
+NAME = "tiny-swiftkv"
+STARTUP_S = 300
+CACHE = Path(__file__).resolve().parents[1] / ".cache"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(HF student, openai client) for a server on 127.0.0.1, stopped with its engine processes."""
+    root = tmp_path_factory.mktemp("openai")
+    # AcrossKV g=2 and random SwiftKV weights: a wrong wiring would change the tokens.
+    model = tiny_swiftkv_model("llama", num_hidden_layers=6, num_key_value_layers=2, key_value_group_size=2,
+                               hidden_size=128)
+    model.save_pretrained(root / "model")
+    copy_bundled_tokenizer(root / "model")
+    port = _free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
+    log = open(root / "server.log", "w")  # noqa: SIM115 (closed after the server stops)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "model"),
+         "--served-model-name", NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+         "--enforce-eager", "--max-model-len", "512", "--seed", "0"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{(root / 'server.log').read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"server not healthy after {STARTUP_S} s:\n{(root / 'server.log').read_text()[-3000:]}")
+                time.sleep(1)
+        yield model, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the engine core runs in the server's process group
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def test_completions_equal_the_hf_student(server):
+    model, client = server
+    ids = prompt(40, seed=7)
+    result = client.completions.create(
+        model=NAME, prompt=ids, max_tokens=8, temperature=0.0, logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )
+    logprobs = result.choices[0].logprobs
+    tokens = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+    want_tokens, want_logprobs = hf_greedy(model, ids, 8)
+    assert tokens == want_tokens
+    assert logprobs.token_logprobs == pytest.approx(want_logprobs, abs=LOGPROB_ATOL)
+    assert result.usage.prompt_tokens == 40 and result.usage.completion_tokens == 8
+
+
+def test_chat_uses_the_checkpoint_template(server):
+    _, client = server
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    result = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0.0,
+                                            extra_body={"ignore_eos": True})
+    choice = result.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length" and result.usage.completion_tokens == 6
+    # ChatML around the question: more prompt tokens than the question alone.
+    assert result.usage.prompt_tokens > 12
+
+
+def test_prompt_logprobs_and_bad_requests_are_400(server):
+    _, client = server
+    with pytest.raises(openai.BadRequestError, match="incorrect logprobs for prompt tokens"):
+        client.completions.create(model=NAME, prompt="hello there", max_tokens=2, echo=True, logprobs=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=NAME, prompt="hello there", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hello", max_tokens=2)
