@@ -20,25 +20,20 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from swiftkv.analysis.flops import predicted_prefill_ratio
 from swiftkv.bundled import ensure_bundled_model
 from swiftkv.config import cutoff_from_fraction
 from swiftkv.convert import convert_model
+from swiftkv.random_llama import random_llama
 
 log = logging.getLogger("bench_prefill")
-
-# A larger random Llama: 16 layers, hidden 1024 (~0.2B parameters), GQA like Llama-3.
-RANDOM_LLAMA = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=16,
-                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=8192)
-
 
 def load_models(which: str, dtype: torch.dtype):
     if which == "smollm2":
         return AutoModelForCausalLM.from_pretrained(ensure_bundled_model(), dtype=dtype).eval()
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**RANDOM_LLAMA)).to(dtype).eval()
+    return random_llama(dtype)
 
 
 def prefill_seconds(model, ids: torch.Tensor) -> float:

@@ -33,21 +33,12 @@ from swiftkv.yaml_config import StrictConfig
 
 log = logging.getLogger(__name__)
 
-RANDOM_LLAMA = "random-llama"
-# A larger random Llama for CPU runs: 16 layers, hidden 1024 (~0.25B parameters), GQA 16/4 heads.
-RANDOM_LLAMA_CONFIG = dict(
-    vocab_size=49152, hidden_size=1024, intermediate_size=3584, num_hidden_layers=16,
-    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=16384,
-    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-)
-
-
 class ServingBenchConfig(StrictConfig):
     """One benchmark run (``ray_jobs/configs/bench-*.yaml``); defaults are the issue's matrix."""
 
     model: str = "bundled"
-    """Base checkpoint: ``bundled`` (SmolLM2-135M-Instruct), ``random-llama`` (16 layers, hidden
-    1024, random weights), a local folder, a hub id or an ``s3://`` folder."""
+    """Base checkpoint: ``bundled`` (SmolLM2-135M-Instruct), ``random-llama`` (``swiftkv/random_llama.py``),
+    a local folder, a hub id or an ``s3://`` folder."""
 
     cutoff: float = Field(default=0.5, gt=0, lt=1)
     """SwiftKV fraction F: layers ``>= c = ceil(L (1 - F))`` skip the prompt tokens."""
@@ -129,19 +120,20 @@ class Variant:
 
 def prepare_models(cfg: ServingBenchConfig) -> list[Variant]:
     """The base folder and its two SwiftKV conversions (cached in ``work_dir``)."""
-    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig
 
     from swiftkv.bundled import copy_bundled_tokenizer
     from swiftkv.config import cutoff_from_fraction
     from swiftkv.convert import convert_checkpoint
     from swiftkv.distill.model_io import resolve_model
+    from swiftkv.random_llama import NAME as RANDOM_LLAMA
+    from swiftkv.random_llama import random_llama
 
     work = Path(cfg.work_dir)
     if cfg.model == RANDOM_LLAMA:
         base = work / RANDOM_LLAMA
         if not (base / "config.json").exists():
-            torch.manual_seed(0)
-            LlamaForCausalLM(LlamaConfig(**RANDOM_LLAMA_CONFIG)).to(torch.bfloat16).save_pretrained(base)
+            random_llama(torch.bfloat16).save_pretrained(base)
             copy_bundled_tokenizer(base)
     else:
         base = Path(resolve_model(cfg.model))
