@@ -8,6 +8,7 @@ ordered so each engine is built once); float32 everywhere, so outputs agree to a
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import shutil
@@ -130,22 +131,27 @@ def prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, 40000, (length,), generator=gen).tolist()
 
 
-def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """The HF student's greedy continuation (``generate`` = prefill skipping) and its logprobs."""
+def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """The HF student's greedy continuation (``generate`` = prefill skipping) and the log-softmax
+    over the vocabulary at each of its steps (``[max_tokens, vocab]``, float32)."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
         )
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
-    logprobs = [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
-    return tokens, logprobs
+    return tokens, torch.log_softmax(torch.stack([step[0] for step in out.logits]).float(), -1)
 
 
-def vllm_greedy(llm, prompts: list[list[int]], max_tokens: int):
+def token_logprobs(step_logprobs: torch.Tensor, tokens: list[int]) -> list[float]:
+    """The logprob of each step's token."""
+    return step_logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+def vllm_greedy(llm, prompts: list[list[int]], max_tokens: int, top_logprobs: int = 0):
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=top_logprobs, ignore_eos=True)
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
 
@@ -153,10 +159,11 @@ def assert_matches_hf(model, prompts: list[list[int]], outputs, max_tokens: int)
     assert len(outputs) == len(prompts)
     for prompt_ids, output in zip(prompts, outputs, strict=True):
         completion = output.outputs[0]
-        tokens, logprobs = hf_greedy(model, prompt_ids, max_tokens)
+        tokens, step_logprobs = hf_greedy(model, prompt_ids, max_tokens)
         assert list(completion.token_ids) == tokens, f"prompt of {len(prompt_ids)} tokens"
         got = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)]
-        assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL), f"prompt of {len(prompt_ids)} tokens"
+        want = token_logprobs(step_logprobs, tokens)
+        assert got == pytest.approx(want, abs=LOGPROB_ATOL), f"prompt of {len(prompt_ids)} tokens"
 
 
 @pytest.fixture(
@@ -270,6 +277,96 @@ def test_tensor_parallel_2_matches_hf(engines, checkpoints):
     try:
         prompts = [prompt(n, seed=30 + n) for n in (6, 100)]
         assert_matches_hf(checkpoints.model("llama", 2), prompts, vllm_greedy(llm, prompts, 6), 6)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+TOP_K = 5  # top logprobs compared where bfloat16 rounding splits two nearly tied tokens
+BF16_LOGPROB_ATOL = 0.05  # seen on CPU: at most 0.004
+
+
+def assert_close_to_hf(model, prompts: list[list[int]], outputs, max_tokens: int) -> None:
+    """Lower precision: the greedy paths agree token for token, their logprobs within bfloat16's
+    rounding, up to a step where the two sides pick different tokens; there each side's token must be
+    among the other's top ``TOP_K`` and that prompt's comparison ends (the paths diverge from then
+    on). At least half of all steps must agree, so a miswiring cannot pass as early near-ties."""
+    agreed = 0
+    for prompt_ids, output in zip(prompts, outputs, strict=True):
+        completion = output.outputs[0]
+        tokens, step_logprobs = hf_greedy(model, prompt_ids, max_tokens)
+        for step, (ours, theirs) in enumerate(zip(completion.token_ids, tokens, strict=True)):
+            where = f"prompt of {len(prompt_ids)} tokens, step {step}"
+            if ours != theirs:
+                assert ours in step_logprobs[step].topk(TOP_K).indices.tolist(), where
+                assert theirs in completion.logprobs[step], where
+                break
+            assert completion.logprobs[step][ours].logprob == pytest.approx(
+                step_logprobs[step, ours].item(), abs=BF16_LOGPROB_ATOL
+            ), where
+            agreed += 1
+    assert agreed >= len(prompts) * max_tokens / 2, f"only {agreed} greedy steps agree"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_engine_matches_hf(engines, checkpoints, dtype):
+    """``enforce_eager=False``: both halves of the model (``swiftkv_prefill``, ``swiftkv_decode``) run
+    compiled. On CPU that is torch.compile; on a GPU the same test runs vLLM's attention backend for
+    the dtype (FlashAttention for bfloat16) with CUDA graphs, which decode-only steps replay.
+    float32 equals the HF student; bfloat16 stays close to the HF student in bfloat16."""
+    from vllm import LLM
+    from vllm.compilation.counter import compilation_counter
+
+    engines.close()
+    seen = compilation_counter.clone()
+    llm = LLM(
+        model=str(checkpoints.path("llama", 2)), dtype=dtype, enforce_eager=False, max_model_len=512,
+        max_num_batched_tokens=CHUNK_BUDGET, max_num_seqs=16, block_size=BLOCK_SIZE, seed=0,
+    )
+    try:
+        assert compilation_counter.num_models_seen - seen.num_models_seen == 2  # the two halves
+        if torch.cuda.is_available():
+            assert compilation_counter.num_cudagraph_captured > seen.num_cudagraph_captured
+        prompts = [prompt(n, seed=50 + n) for n in (3, 40, 17, 200, 9)]  # 200 tokens: four chunks
+        outputs = vllm_greedy(llm, prompts, 8, top_logprobs=TOP_K)
+        model = checkpoints.model("llama", 2)
+        if dtype == "float32":
+            assert_matches_hf(model, prompts, outputs, 8)
+        else:
+            assert_close_to_hf(copy.deepcopy(model).to(torch.bfloat16), prompts, outputs, 8)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def preemptions(llm) -> float:
+    """Requests preempted so far (vLLM's ``vllm:num_preemptions`` counter, summed over engines)."""
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def test_many_concurrent_requests_with_preemption(engines, checkpoints):
+    """Twenty requests of different prompt and output lengths at once, in a KV cache of 16 usable
+    blocks (512 tokens, plus vLLM's null block; far less than they need together): steps mix prefill
+    chunks with decodes, and the scheduler preempts running requests, which later recompute their KV
+    from prompt plus output so far. Every output stays the HF student's (AcrossKV g=2, so group
+    caches are freed and reused)."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    engines.close()
+    llm = LLM(
+        model=str(checkpoints.path("llama", 2)), dtype="float32", enforce_eager=True, max_model_len=512,
+        max_num_batched_tokens=CHUNK_BUDGET, block_size=BLOCK_SIZE, num_gpu_blocks_override=17,
+        enable_prefix_caching=True, disable_log_stats=False, seed=0,
+    )
+    try:
+        lengths = [1 + (37 * i) % 230 for i in range(20)]
+        max_tokens = [4 + (11 * i) % 29 for i in range(20)]
+        prompts = [prompt(n, seed=40 + i) for i, n in enumerate(lengths)]
+        params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=0, ignore_eos=True) for m in max_tokens]
+        before = preemptions(llm)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        assert preemptions(llm) > before, "the KV cache was meant to be too small for all requests at once"
+        model = checkpoints.model("llama", 2)
+        for prompt_ids, m, output in zip(prompts, max_tokens, outputs, strict=True):
+            assert_matches_hf(model, [prompt_ids], [output], m)
     finally:
         llm.llm_engine.engine_core.shutdown()
 
