@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -74,19 +75,39 @@ def server(tmp_path_factory):
         log.close()
 
 
+def greedy_completion(client: openai.OpenAI, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """The server's greedy continuation of ``ids`` as token ids, with their logprobs."""
+    result = client.completions.create(
+        model=NAME, prompt=ids, max_tokens=max_tokens, temperature=0.0, logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )
+    assert result.usage.prompt_tokens == len(ids) and result.usage.completion_tokens == max_tokens
+    logprobs = result.choices[0].logprobs
+    return [int(t.removeprefix("token_id:")) for t in logprobs.tokens], logprobs.token_logprobs
+
+
+def assert_equals_hf(model, ids: list[int], max_tokens: int, tokens: list[int], logprobs: list[float]) -> None:
+    want_tokens, step_logprobs = hf_greedy(model, ids, max_tokens)
+    assert tokens == want_tokens, f"prompt of {len(ids)} tokens"
+    assert logprobs == pytest.approx(token_logprobs(step_logprobs, want_tokens), abs=LOGPROB_ATOL)
+
+
 def test_completions_equal_the_hf_student(server):
     model, client = server
     ids = prompt(40, seed=7)
-    result = client.completions.create(
-        model=NAME, prompt=ids, max_tokens=8, temperature=0.0, logprobs=1,
-        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
-    )
-    logprobs = result.choices[0].logprobs
-    tokens = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
-    want_tokens, step_logprobs = hf_greedy(model, ids, 8)
-    assert tokens == want_tokens
-    assert logprobs.token_logprobs == pytest.approx(token_logprobs(step_logprobs, want_tokens), abs=LOGPROB_ATOL)
-    assert result.usage.prompt_tokens == 40 and result.usage.completion_tokens == 8
+    assert_equals_hf(model, ids, 8, *greedy_completion(client, ids, 8))
+
+
+def test_concurrent_completions_equal_the_hf_student(server):
+    """Eight requests of different lengths at once: AsyncLLM batches them as they arrive, so steps
+    mix prefills with decodes; each answer is still the HF student's."""
+    model, client = server
+    lengths, max_tokens = (5, 60, 130, 20, 250, 9, 90, 40), (6, 20, 9, 14, 7, 18, 11, 16)
+    prompts = [prompt(n, seed=60 + n) for n in lengths]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda ids, n: greedy_completion(client, ids, n), prompts, max_tokens))
+    for ids, n, answer in zip(prompts, max_tokens, answers, strict=True):
+        assert_equals_hf(model, ids, n, *answer)
 
 
 def test_chat_uses_the_checkpoint_template(server):
