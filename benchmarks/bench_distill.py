@@ -24,9 +24,10 @@ from swiftkv.bundled import bundled_chat_data
 from swiftkv.distill.chat_tokens import tokenize_chat
 from swiftkv.distill.data import load_tokenizer, pad_id
 from swiftkv.distill.loss import chunked_kl_sum
-from swiftkv.distill.model_io import load_student, resolve_model
+from swiftkv.distill.model_io import load_student
 from swiftkv.distill.objective import DistillationObjective, freeze_all_but_swiftkv
 from swiftkv.distill.packing import pack_rows
+from swiftkv.model_source import resolve_model
 
 PHASES = ("teacher_forward", "student_forward", "loss", "backward", "optimizer")
 

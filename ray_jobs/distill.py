@@ -23,8 +23,8 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from swiftkv.distill.config import DistillConfig
 from swiftkv.distill.data import build_datasets, resolve_files
-from swiftkv.distill.model_io import resolve_model
 from swiftkv.distill.train_loop import MODEL_DIR, train_loop_per_worker
+from swiftkv.model_source import resolve_model
 from swiftkv.yaml_config import job_main
 
 logger = logging.getLogger("ray_jobs.distill")

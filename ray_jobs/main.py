@@ -131,8 +131,8 @@ def run(cfg: MainConfig) -> dict:
 
     from ray_jobs.distill import run as run_distill
     from swiftkv.distill.config import load_config as load_distill_config
-    from swiftkv.distill.model_io import resolve_model
     from swiftkv.distill.train_loop import MODEL_DIR
+    from swiftkv.model_source import resolve_model
 
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

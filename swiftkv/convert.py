@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from swiftkv.config import check_swiftkv_shape, cutoff_from_fraction
+from swiftkv.model_source import resolve_model
 from swiftkv.modeling import FAMILIES
 from swiftkv.modeling.attention import is_group_leader
 
@@ -83,14 +84,13 @@ def convert_model(
 
 
 def load_base_model(source: str, dtype: str | torch.dtype = "auto") -> PreTrainedModel:
-    """Load a base checkpoint from a local folder or a hub id, with a clear error if it is missing."""
-    if os.path.isdir(source):
-        if not os.path.isfile(os.path.join(source, "config.json")):
-            raise FileNotFoundError(f"{source} is a folder but has no config.json: not a Hugging Face checkpoint")
-    elif os.path.exists(source) or source.startswith((".", "/")):
-        raise FileNotFoundError(f"base checkpoint {source!r} not found (expected a folder or a hub id)")
+    """Load a base checkpoint from a model reference (a folder, ``bundled``, an ``s3://`` folder or a
+    hub id: ``swiftkv.model_source``), with a clear error if it is none of them."""
+    path = resolve_model(source)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{source} is a folder but has no config.json: not a Hugging Face checkpoint")
     try:
-        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as err:
         raise FileNotFoundError(f"could not load base checkpoint {source!r}: {err}") from err
 
@@ -113,7 +113,8 @@ def convert_checkpoint(
         raise ValueError(f"output folder {out} exists and is not empty (pass overwrite=True / --overwrite)")
     if cutoff is not None and num_key_value_layers is not None:
         raise ValueError("give either a cutoff fraction or num_key_value_layers, not both")
-    model = load_base_model(base)
+    path = resolve_model(base)
+    model = load_base_model(path)
     if cutoff is not None:
         num_key_value_layers = cutoff_from_fraction(model.config.num_hidden_layers, cutoff)
     log.info("converting %s (%d layers) to SwiftKV at c=%s, g=%d", base, model.config.num_hidden_layers,
@@ -123,7 +124,7 @@ def convert_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         swift.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

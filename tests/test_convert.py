@@ -65,7 +65,7 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     save_tiny_base(tmp_path / "base", "llama", num_hidden_layers=4)
     base = str(tmp_path / "base")
     cases = [
-        ([str(tmp_path / "missing"), str(tmp_path / "o1")], "not found"),
+        ([str(tmp_path / "missing"), str(tmp_path / "o1")], "does not exist"),
         ([str(tmp_path), str(tmp_path / "o2")], "has no config.json"),
         ([base, str(tmp_path / "o3"), "--num-key-value-layers", "4"], "num_key_value_layers=4 is out of range"),
         ([base, str(tmp_path / "o4"), "--num-key-value-layers", "1", "--key-value-group-size", "2"],

@@ -25,7 +25,7 @@ from swiftkv.bundled import copy_bundled_tokenizer, ensure_bundled_model
 from swiftkv.distill.config import DataConfig, parse_config
 from swiftkv.distill.data import build_datasets
 from tests.distill_data import sharegpt_rows, ultrachat_rows, write_jsonl, write_parquet
-from tests.s3_server import moto_s3_server
+from tests.s3_server import moto_s3_server, s3_env
 from tests.tiny import save_tiny_base, tiny_swiftkv_model
 
 BUCKET = "swiftkv-chat"
@@ -35,19 +35,11 @@ BUCKET = "swiftkv-chat"
 def s3_data(tmp_path_factory):
     """A moto S3 server on 127.0.0.1 holding UltraChat / OpenHermes / SlimOrca files (credentials and
     endpoint in the environment, set before Ray starts so its workers inherit them)."""
-    with moto_s3_server() as endpoint:
-        yield from _s3_data(endpoint, tmp_path_factory)
+    with moto_s3_server() as endpoint, s3_env(endpoint):
+        yield from _s3_bucket(tmp_path_factory)
 
 
-def _s3_data(endpoint: str, tmp_path_factory):
-    env = {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+def _s3_bucket(tmp_path_factory):
     s3 = boto3.client("s3")
     s3.create_bucket(Bucket=BUCKET)
     local = tmp_path_factory.mktemp("s3src")
@@ -64,11 +56,6 @@ def _s3_data(endpoint: str, tmp_path_factory):
         {"uri": f"s3://{BUCKET}/openhermes/openhermes.jsonl", "format": "openhermes", "sample_count": 100},
         {"uri": f"s3://{BUCKET}/slimorca/", "format": "slimorca", "weight": 0.8},
     ]
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from swiftkv.bundled import bundled_chat_data, ensure_bundled_model
+from swiftkv.bundled import BUNDLED, bundled_chat_data
 from swiftkv.config import cutoff_from_fraction
 from swiftkv.distill.schemas import MalformedRow, to_messages
+from swiftkv.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
 
-BUNDLED = "bundled"
 TARGET_SHARES = (0.25, 0.5, 0.75)
 DEFAULT_THRESHOLD = 0.5
 
@@ -92,15 +92,13 @@ def load_conversations(data: str | Path, num_samples: int) -> list[Messages]:
 
 
 def load_model(model: str | Path):
-    """Model and tokenizer in float32; ``bundled`` is the bundled SmolLM2. SwiftKV checkpoints run
-    as their teacher, so every token passes every layer."""
+    """Model and tokenizer in float32, for any model reference (``swiftkv.model_source``). SwiftKV
+    checkpoints run as their teacher, so every token passes every layer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import swiftkv  # noqa: F401  (registers the SwiftKV model types)
 
-    path = ensure_bundled_model() if str(model) == BUNDLED else model
-    if not Path(path).exists():
-        raise FileNotFoundError(f"model folder {path} does not exist")
+    path = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not tokenizer.chat_template:
         raise ValueError(f"the tokenizer of {path} has no chat template")

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from swiftkv.model_source import MODEL_HELP
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "convert",
         help="turn a base Llama/Mistral/Qwen2 checkpoint into a SwiftKV checkpoint",
-        description="Load BASE (local folder or hub id), add the SwiftKV weights initialised as in the paper "
-        "(q_proj copies, group-mean k/v_proj, norm_swiftkv from layer c) and write OUT in the published "
-        "SwiftKV layout (safetensors + config + tokenizer + chat template).",
+        description="Load BASE (local folder, 'bundled', s3://... folder or hub id), add the SwiftKV weights "
+        "initialised as in the paper (q_proj copies, group-mean k/v_proj, norm_swiftkv from layer c) and write "
+        "OUT in the published SwiftKV layout (safetensors + config + tokenizer + chat template).",
     )
-    p.add_argument("base", help="base checkpoint: local folder or hub id")
+    p.add_argument("base", help="base " + MODEL_HELP)
     p.add_argument("out", help="output folder (must be empty or absent unless --overwrite)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--num-key-value-layers", type=int, help="cutoff c: layers that keep their own KV")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from swiftkv.model_source import MODEL_HELP
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -13,7 +15,7 @@ def add_parser(subparsers) -> None:
         description="Apply MODEL's chat template to each PROMPT and generate them as one batch. A SwiftKV "
         "checkpoint runs as the student with prefill skipping unless --teacher is given.",
     )
-    p.add_argument("model", help="checkpoint folder or hub id")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("prompt", nargs="+", help="user message(s); several prompts are generated as one batch")
     p.add_argument("--teacher", action="store_true", help="run a SwiftKV checkpoint as its base model")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -28,9 +30,11 @@ def run(args: argparse.Namespace) -> int:
 
     import swiftkv  # noqa: F401  (registers the SwiftKV model types)
     from swiftkv.inference import chat_generate
+    from swiftkv.model_source import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    path = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     if hasattr(model, "swiftkv"):
         model.swiftkv(not args.teacher)
     start = time.perf_counter()

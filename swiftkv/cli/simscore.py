@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from swiftkv.analysis.simscore import BUNDLED, DEFAULT_THRESHOLD, compute_simscore, save_result
+from swiftkv.analysis.simscore import DEFAULT_THRESHOLD, compute_simscore, save_result
+from swiftkv.bundled import BUNDLED
+from swiftkv.model_source import MODEL_HELP
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -19,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "cutoffs (rule in swiftkv/analysis/simscore.py)."
         ),
     )
-    parser.add_argument("model", help=f"model folder, or '{BUNDLED}' for the bundled SmolLM2-135M-Instruct")
+    parser.add_argument("model", help=MODEL_HELP)
     parser.add_argument(
         "--data",
         default=BUNDLED,

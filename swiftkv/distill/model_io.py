@@ -1,59 +1,25 @@
-"""Where the model comes from and how the distilled one is written.
+"""How the student is loaded and how the distilled one is written.
 
-``resolve_model`` turns the config's ``model`` into something ``from_pretrained`` can open on this
-node (``bundled`` and ``s3://`` folders become local folders); ``load_student`` returns a SwiftKV
-model with the SPEC initialisation (or a SwiftKV checkpoint as it is, built already sharded under
-ZeRO-3); ``write_hf_checkpoint``
-writes the SPEC checkpoint layout, loadable by ``AutoModelForCausalLM`` after ``import swiftkv``.
+``load_student`` returns a SwiftKV model with the SPEC initialisation (or a SwiftKV checkpoint as it
+is, built already sharded under ZeRO-3); ``write_hf_checkpoint`` writes the SPEC checkpoint layout,
+loadable by ``AutoModelForCausalLM`` after ``import swiftkv``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 import swiftkv  # noqa: F401  (registers the SwiftKV Auto classes)
-from swiftkv.bundled import ensure_bundled_model
 from swiftkv.convert import convert_model, load_base_model
 
 log = logging.getLogger(__name__)
-
-
-def _download(uri: str) -> Path:
-    """Copy a remote checkpoint folder once per node into the local cache (atomically)."""
-    local = Path(tempfile.gettempdir()) / "swiftkv-models" / hashlib.sha1(uri.encode()).hexdigest()[:16]
-    if (local / "config.json").is_file():
-        return local
-    fs, path = fsspec.core.url_to_fs(uri)
-    if not fs.exists(f"{path.rstrip('/')}/config.json"):
-        raise FileNotFoundError(f"model {uri!r} has no config.json: not a Hugging Face checkpoint folder")
-    local.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=local.parent))
-    fs.get(path.rstrip("/") + "/", str(tmp), recursive=True)
-    try:
-        tmp.rename(local)
-    except OSError:  # another process on this node finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return local
-
-
-def resolve_model(ref: str) -> str:
-    """A local folder or hub id for ``ref`` (``bundled``, a folder, a hub id or a remote folder URI)."""
-    if ref == "bundled":
-        return str(ensure_bundled_model())
-    if "://" in ref:
-        return str(_download(ref))
-    return ref
 
 
 @contextmanager

@@ -29,8 +29,9 @@ from transformers import get_cosine_schedule_with_warmup
 from swiftkv.distill.config import DistillConfig
 from swiftkv.distill.data import load_tokenizer
 from swiftkv.distill.evaluate import heldout_metrics
-from swiftkv.distill.model_io import load_student, resolve_model, write_hf_checkpoint
+from swiftkv.distill.model_io import load_student, write_hf_checkpoint
 from swiftkv.distill.objective import DistillationObjective, freeze_all_but_swiftkv
+from swiftkv.model_source import resolve_model
 
 DEEPSPEED_DIR = "deepspeed"
 MODEL_DIR = "model"

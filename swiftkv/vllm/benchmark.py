@@ -125,7 +125,7 @@ def prepare_models(cfg: ServingBenchConfig) -> list[Variant]:
     from swiftkv.bundled import copy_bundled_tokenizer
     from swiftkv.config import cutoff_from_fraction
     from swiftkv.convert import convert_checkpoint
-    from swiftkv.distill.model_io import resolve_model
+    from swiftkv.model_source import resolve_model
     from swiftkv.random_llama import NAME as RANDOM_LLAMA
     from swiftkv.random_llama import random_llama
 

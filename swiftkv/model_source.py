@@ -1,0 +1,76 @@
+"""Model references, read the same way by every CLI verb, job and benchmark: a local folder,
+``bundled`` (the bundled SmolLM2-135M-Instruct), a remote folder (``s3://``, ``gs://``: any fsspec
+URI; copied once per node into ``$SWIFTKV_CACHE/models``) or a Hugging Face hub id."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import fsspec
+from fsspec.callbacks import TqdmCallback
+
+from swiftkv.bundled import BUNDLED, cache_root, ensure_bundled_model
+
+log = logging.getLogger(__name__)
+
+MODEL_HELP = f"model: local folder, {BUNDLED!r} (the bundled SmolLM2-135M-Instruct), s3://... folder or hub id"
+
+
+def _download(uri: str) -> Path:
+    """Copy a remote checkpoint folder once per node into the local cache (atomically: a folder
+    appears whole or not at all, so concurrent workers on one node never read a partial copy)."""
+    local = cache_root() / "models" / hashlib.sha1(uri.encode()).hexdigest()[:16]
+    if (local / "config.json").is_file():
+        return local
+    fs, path = fsspec.core.url_to_fs(uri)
+    if not fs.exists(f"{path.rstrip('/')}/config.json"):
+        raise FileNotFoundError(f"model {uri!r} has no config.json: not a Hugging Face checkpoint folder")
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=local.parent))
+    log.info("copying model %s to %s", uri, local)
+    try:
+        fs.get(path.rstrip("/") + "/", str(tmp), recursive=True,
+               callback=TqdmCallback(tqdm_kwargs={"desc": f"copying {uri}", "unit": "file"}))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # no partial copy is left in the cache
+        raise
+    try:
+        tmp.rename(local)
+    except OSError:  # another process on this node finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return local
+
+
+def _check_hub_id(ref: str) -> None:
+    """Fetch the hub model's config.json (which ``from_pretrained`` reads first anyway), so that a
+    mistyped folder or an unreachable hub is one clear error here, not a loader's traceback."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        hf_hub_download(ref, "config.json")
+    except (OSError, ValueError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FileNotFoundError(
+            f"model {ref!r} is not a local folder, {BUNDLED!r}, a remote folder URI (s3://...) or a hub id "
+            f"this machine can load ({reason})"
+        ) from err
+
+
+def resolve_model(ref: str | Path) -> str:
+    """A local folder (or a loadable hub id) for the model reference ``ref``."""
+    ref = str(ref)
+    if ref == BUNDLED:
+        return str(ensure_bundled_model())
+    if "://" in ref:
+        return str(_download(ref))
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return str(path)
+    if ref.startswith((".", "/", "~")) or path.exists():
+        raise FileNotFoundError(f"model folder {ref} does not exist")
+    _check_hub_id(ref)
+    return ref

@@ -1,0 +1,64 @@
+"""Model references as every verb and job reads them (``swiftkv.model_source``): a folder,
+``bundled``, an ``s3://`` folder on a real S3 server (moto's, on 127.0.0.1) and hub ids, with the
+errors a mistyped one gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fsspec
+import pytest
+from safetensors.torch import load_file
+
+from swiftkv.bundled import default_model_dir
+from swiftkv.cli import main as cli
+from swiftkv.model_source import resolve_model
+from tests.s3_server import moto_s3_server, s3_env
+from tests.tiny import save_tiny_base
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """One moto server for the module."""
+    with moto_s3_server() as endpoint, s3_env(endpoint):
+        fs = fsspec.filesystem("s3")
+        fs.mkdir("models")
+        yield fs
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, tmp_path):
+    """The S3 filesystem; remote models are cached under ``tmp_path``."""
+    monkeypatch.setenv("SWIFTKV_CACHE", str(tmp_path / "cache"))
+    return s3_server
+
+
+def test_convert_from_an_s3_folder_equals_the_local_conversion(s3, tmp_path):
+    save_tiny_base(tmp_path / "base", "llama")
+    s3.put(f"{tmp_path / 'base'}/", "models/convert/", recursive=True)
+    assert cli(["convert", "s3://models/convert", str(tmp_path / "from-s3")]) == 0
+    assert cli(["convert", str(tmp_path / "base"), str(tmp_path / "from-disk")]) == 0
+    remote, local = (load_file(tmp_path / d / "model.safetensors") for d in ("from-s3", "from-disk"))
+    assert remote.keys() == local.keys() and all((remote[k] == local[k]).all() for k in local)
+    assert (tmp_path / "from-s3" / "tokenizer.json").is_file()
+
+
+def test_a_remote_folder_is_copied_once_per_node(s3, tmp_path):
+    save_tiny_base(tmp_path / "base", "llama")
+    s3.put(f"{tmp_path / 'base'}/", "models/llama/", recursive=True)
+    copy = resolve_model("s3://models/llama")
+    assert Path(copy).is_relative_to(tmp_path / "cache") and (Path(copy) / "config.json").is_file()
+    s3.rm("models/llama", recursive=True)
+    assert resolve_model("s3://models/llama") == copy  # served from the node's cache
+    with pytest.raises(FileNotFoundError, match="'s3://models/nothing' has no config.json"):
+        resolve_model("s3://models/nothing")
+
+
+def test_folders_bundled_and_bad_references(tmp_path):
+    assert resolve_model(tmp_path) == str(tmp_path)
+    assert resolve_model("bundled") == str(default_model_dir())
+    with pytest.raises(FileNotFoundError, match="model folder ./no-such-folder does not exist"):
+        resolve_model("./no-such-folder")
+    # HF_HUB_OFFLINE=1 in the suite: an id that is in no local cache cannot be loaded here.
+    with pytest.raises(FileNotFoundError, match="'no-such-org/no-such-model' is not a local folder, 'bundled'"):
+        resolve_model("no-such-org/no-such-model")
