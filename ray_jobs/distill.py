@@ -5,7 +5,9 @@
 
 Without ``ray job submit`` (and no ``RAY_ADDRESS``) it starts an embedded local Ray. The driver
 validates the config, lists the data files (failing fast on a bad URI), builds the Ray Data
-pipeline and runs a ``TorchTrainer``; the workers run ``swiftkv.distill.train_loop``.
+pipeline and runs a ``TorchTrainer``; the workers run ``swiftkv.distill.train_loop``. Under ZeRO-3 a
+base model is first converted once, in a Ray task, into the run's folder, so that the workers load
+that conversion already partitioned instead of each converting the whole model.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from swiftkv.distill.config import DistillConfig
 from swiftkv.distill.data import build_datasets, resolve_files
+from swiftkv.distill.model_io import convert_once, is_swiftkv_checkpoint
 from swiftkv.distill.train_loop import MODEL_DIR, train_loop_per_worker
 from swiftkv.model_source import resolve_model
 from swiftkv.yaml_config import job_main
@@ -51,6 +54,20 @@ def _storage(path: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
         return os.path.abspath(path), None  # Ray wants absolute local paths
     fs, root = fsspec.core.url_to_fs(path)
     return root, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
+
+
+def zero3_starting_point(cfg: DistillConfig) -> DistillConfig:
+    """``cfg``, or under ZeRO-3 with a base model, ``cfg`` pointing at a SwiftKV conversion written
+    once to ``<storage_path>/<name>/student-init`` by a Ray task (reused when the job reruns)."""
+    if cfg.deepspeed.zero_stage != 3 or is_swiftkv_checkpoint(resolve_model(cfg.model)):
+        return cfg
+    storage = cfg.output.storage_path
+    root = storage.rstrip("/") if "://" in storage else os.path.abspath(storage)
+    target = f"{root}/{cfg.output.name}/student-init"
+    logger.info("ZeRO-3: converting %s once to %s for the workers to load partitioned", cfg.model, target)
+    task = ray.remote(num_cpus=1)(convert_once)
+    converted = ray.get(task.remote(cfg.model, target, cfg.num_key_value_layers, cfg.key_value_group_size))
+    return cfg.model_copy(update={"model": converted})
 
 
 def build_trainer(cfg: DistillConfig) -> TorchTrainer:
@@ -84,7 +101,7 @@ def run(cfg: DistillConfig) -> ray.train.Result:
         resolve_files(source.uri)
     if not ray.is_initialized():
         ray.init()
-    result = build_trainer(cfg).fit()
+    result = build_trainer(zero3_starting_point(cfg)).fit()
     summary = {
         "checkpoint": f"{result.checkpoint.path}/{MODEL_DIR}" if result.checkpoint else None,
         "metrics": result.metrics,

@@ -33,8 +33,13 @@ class SwiftKVFields:
         """Fill the cutoff default and check the SwiftKV fields against the layer count."""
         num_layers = self.num_hidden_layers
         if self.num_key_value_layers is None:
-            self.num_key_value_layers = num_layers // 2
+            self.num_key_value_layers = default_cutoff(num_layers)
         check_swiftkv_shape(num_layers, self.num_key_value_layers, self.key_value_group_size)
+
+
+def default_cutoff(num_layers: int) -> int:
+    """The cutoff when none is given: half the layers (the paper's 50% SwiftKV)."""
+    return num_layers // 2
 
 
 def check_swiftkv_shape(num_layers: int, num_key_value_layers: int, key_value_group_size: int) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from swiftkv.config import check_swiftkv_shape, cutoff_from_fraction
+from swiftkv.config import check_swiftkv_shape, cutoff_from_fraction, default_cutoff
 from swiftkv.model_source import resolve_model
 from swiftkv.modeling import FAMILIES
 from swiftkv.modeling.attention import is_group_leader
@@ -60,7 +60,7 @@ def convert_model(
         )
     config_cls, model_cls = FAMILIES[family]
     num_layers = base.config.num_hidden_layers
-    c = num_layers // 2 if num_key_value_layers is None else num_key_value_layers
+    c = default_cutoff(num_layers) if num_key_value_layers is None else num_key_value_layers
     check_swiftkv_shape(num_layers, c, key_value_group_size)
 
     fields = base.config.to_dict()

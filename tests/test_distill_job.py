@@ -17,7 +17,7 @@ import psutil
 import pytest
 import ray
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import swiftkv  # noqa: F401
 from ray_jobs.distill import run
@@ -140,7 +140,8 @@ def _kill_a_worker_after_first_checkpoint(run_dir: Path, victim: dict, timeout_s
 
 
 def test_killed_worker_resumes_from_checkpoint_and_rerun_resumes(ray_cluster, tmp_path):
-    # A plain Llama base checkpoint: the job converts it (SPEC initialisation) itself.
+    # A plain Llama base checkpoint under ZeRO-3: the job converts it (SPEC initialisation) once into
+    # the run's folder, and the workers (the restarted ones too) load that conversion partitioned.
     save_tiny_base(tmp_path / "base", "llama", bundled_tokenizer=True)
     sources = [
         {"uri": str(write_parquet(ultrachat_rows(300, 5), tmp_path / "chat" / "a.parquet")), "format": "ultrachat"}
@@ -151,6 +152,7 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_resumes(ray_cluster, tm
         tmp_path / "out",
         train={"max_steps": 8},
         output={"checkpoint_every_steps": 2, "max_failures": 2},
+        deepspeed={"zero_stage": 3},
     )
     victim: dict = {}
     killer = threading.Thread(
@@ -165,11 +167,15 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_resumes(ray_cluster, tm
     assert result.error is None
     assert result.metrics["step"] == 8
     assert result.metrics["resumed_from_step"] >= 2  # restarted from a checkpoint, not from scratch
+    init = tmp_path / "out" / "swiftkv-distill" / "student-init" / "config.json"
+    assert AutoConfig.from_pretrained(init.parent).num_key_value_layers == 2
+    converted_at = init.stat().st_mtime_ns
 
     # The same storage path again, asking for two more steps: it resumes at step 8.
     tree["train"]["max_steps"] = 10
     again = run(parse_config(tree))
     assert again.metrics["resumed_from_step"] == 8 and again.metrics["step"] == 10
+    assert init.stat().st_mtime_ns == converted_at  # the conversion was reused, not redone
 
 
 def test_malformed_rows_are_skipped_and_bundled_chitchat_reads(ray_cluster, tmp_path):

@@ -1,9 +1,10 @@
 """Model references as every verb and job reads them (``swiftkv.model_source``): a folder,
 ``bundled``, an ``s3://`` folder on a real S3 server (moto's, on 127.0.0.1) and hub ids, with the
-errors a mistyped one gets."""
+errors a mistyped one gets; and the distillation job's one-time conversion to S3."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import fsspec
@@ -62,3 +63,23 @@ def test_folders_bundled_and_bad_references(tmp_path):
     # HF_HUB_OFFLINE=1 in the suite: an id that is in no local cache cannot be loaded here.
     with pytest.raises(FileNotFoundError, match="'no-such-org/no-such-model' is not a local folder, 'bundled'"):
         resolve_model("no-such-org/no-such-model")
+
+
+def test_convert_once_to_s3_is_reused_and_redone_for_another_cutoff(s3, tmp_path):
+    """The ZeRO-3 starting point of the distillation job: converted once to S3, loaded from there by
+    the workers (``resolve_model``), kept on a rerun, replaced when the cutoff changes."""
+    from transformers import AutoConfig
+
+    from swiftkv.distill.model_io import convert_once
+
+    save_tiny_base(tmp_path / "base", "llama", num_hidden_layers=4)
+    target = "s3://models/run/student-init"
+    assert convert_once(str(tmp_path / "base"), target, None, 1) == target
+    assert AutoConfig.from_pretrained(resolve_model(target)).num_key_value_layers == 2  # half of 4
+    s3.put_file(str(tmp_path / "base" / "config.json"), "models/run/student-init/marker")
+    convert_once(str(tmp_path / "base"), target, 2, 1)
+    assert s3.exists("models/run/student-init/marker")  # reused, not rewritten
+    convert_once(str(tmp_path / "base"), target, 3, 1)
+    assert not s3.exists("models/run/student-init/marker")
+    config = json.loads(s3.cat_file("models/run/student-init/config.json"))
+    assert config["num_key_value_layers"] == 3 and config["model_type"] == "llama_swiftkv"

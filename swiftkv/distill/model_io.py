@@ -1,23 +1,28 @@
 """How the student is loaded and how the distilled one is written.
 
 ``load_student`` returns a SwiftKV model with the SPEC initialisation (or a SwiftKV checkpoint as it
-is, built already sharded under ZeRO-3); ``write_hf_checkpoint`` writes the SPEC checkpoint layout,
-loadable by ``AutoModelForCausalLM`` after ``import swiftkv``.
+is, built already sharded under ZeRO-3); ``convert_once`` writes a base model's SwiftKV conversion
+to shared storage once, so that ZeRO-3 workers load that instead; ``write_hf_checkpoint`` writes the
+SPEC checkpoint layout, loadable by ``AutoModelForCausalLM`` after ``import swiftkv``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 import swiftkv  # noqa: F401  (registers the SwiftKV Auto classes)
-from swiftkv.convert import convert_model, load_base_model
+from swiftkv.config import default_cutoff
+from swiftkv.convert import convert_checkpoint, convert_model, load_base_model
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +54,7 @@ def load_student(
     (whose cutoff and group size must then agree with the config's, when given).
 
     With a ZeRO-3 ``deepspeed_config`` a SwiftKV checkpoint is loaded already partitioned; a base
-    checkpoint is converted whole on every worker first (convert once with ``swiftkv convert`` to
-    avoid that for large models)."""
+    checkpoint is converted whole on every worker first (``convert_once`` avoids that)."""
     config = AutoConfig.from_pretrained(path)
     zero3 = bool(deepspeed_config) and deepspeed_config["zero_optimization"]["stage"] == 3
     if config.model_type.endswith("_swiftkv"):
@@ -65,10 +69,38 @@ def load_student(
             return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if zero3:
         log.warning(
-            "%s is a base checkpoint: every worker converts the whole model before ZeRO-3 shards it; "
-            "run `swiftkv convert` once and point `model` at the result to load it sharded", path
+            "%s is a base checkpoint: every worker converts the whole model before ZeRO-3 shards it "
+            "(the distillation job avoids this: it loads a conversion made once by convert_once)", path
         )
     return convert_model(load_base_model(path, dtype=dtype), num_key_value_layers, key_value_group_size)
+
+
+def is_swiftkv_checkpoint(path: str) -> bool:
+    return AutoConfig.from_pretrained(path).model_type.endswith("_swiftkv")
+
+
+def convert_once(base: str, target: str, num_key_value_layers: int | None, key_value_group_size: int) -> str:
+    """Write the SwiftKV conversion of the model reference ``base`` to ``target`` (a folder or an
+    fsspec URI such as ``s3://``) and return ``target``. A ``target`` that already holds a conversion
+    with this cutoff and group size (a rerun of the same job) is kept. ``config.json`` is written
+    last, so a conversion cut short is never taken for a finished one."""
+    fs, root = fsspec.core.url_to_fs(target)
+    root = root.rstrip("/")
+    if fs.exists(f"{root}/config.json"):
+        config = json.loads(fs.cat_file(f"{root}/config.json"))
+        c = num_key_value_layers or default_cutoff(config["num_hidden_layers"])
+        if (config.get("num_key_value_layers"), config.get("key_value_group_size")) == (c, key_value_group_size):
+            log.info("reusing the SwiftKV conversion in %s", target)
+            return target
+        fs.rm(root, recursive=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(tmp) / "model"
+        convert_checkpoint(base, local, num_key_value_layers, key_value_group_size)
+        log.info("uploading the SwiftKV conversion of %s to %s", base, target)
+        fs.makedirs(root, exist_ok=True)
+        for file in sorted(local.iterdir(), key=lambda f: f.name == "config.json"):
+            fs.put_file(str(file), f"{root}/{file.name}")
+    return target
 
 
 def write_hf_checkpoint(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer, out: Path) -> None:
