@@ -1,7 +1,8 @@
 """vLLM serving benchmark: the base model, SwiftKV and SwiftKV + AcrossKV on the same weights.
 
 Three engines (the base checkpoint served by vLLM's own model; its SwiftKV conversion at
-``cutoff``; the same with AcrossKV group size ``group_size``) take turns: every measurement is
+``cutoff``; the same with AcrossKV group size ``group_size``), and with ``no_skip_control`` a fourth
+(the SwiftKV conversion with prefill skipping off), take turns: every measurement is
 repeated ``rounds`` times, interleaved across the engines, and the report gives the median and the
 median of the per-round ratios to the base (slow drifts of a shared machine cancel within a round).
 Measured:
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from tqdm import tqdm
 
 from swiftkv.yaml_config import StrictConfig
@@ -90,7 +91,12 @@ class ServingBenchConfig(StrictConfig):
     """Run on a GPU node: the task reserves ``tensor_parallel_size`` GPUs."""
 
     gpu_memory_fraction: float = Field(default=0.28, gt=0, le=0.33)
-    """GPU memory per engine (the three engines share the GPUs)."""
+    """GPU memory per engine (the engines share the GPUs; at most 0.24 with ``no_skip_control``)."""
+
+    no_skip_control: bool = False
+    """Also serve the SwiftKV conversion with prefill skipping off (every token runs every layer, as
+    in the base): its ratio to the base is our model code against vLLM's own, so the SwiftKV ratio
+    over this one is what the skipping alone buys."""
 
     cpu_kv_cache_gib: int = Field(default=2, gt=0)
     """CPU only: KV cache per engine (GiB)."""
@@ -107,11 +113,19 @@ class ServingBenchConfig(StrictConfig):
     out: str = "artifacts/bench_vllm"
     """Folder or ``s3://`` prefix for ``results.json``, ``report.txt`` and ``throughput_ratio.png``."""
 
+    @model_validator(mode="after")
+    def _engines_fit_the_gpu(self) -> ServingBenchConfig:
+        engines = 4 if self.no_skip_control else 3
+        if self.use_gpu and self.gpu_memory_fraction * engines > 0.99:
+            raise ValueError(f"gpu_memory_fraction {self.gpu_memory_fraction} x {engines} engines exceeds the GPU")
+        return self
+
 
 @dataclass
 class Variant:
     name: str
     path: Path
+    prefill_skipping: bool = True
     kv_tokens: int = 0
     throughput: dict[str, list[float]] = field(default_factory=dict)  # "in x out" -> tok/s per round
     ttft: list[float] = field(default_factory=list)  # seconds, median over the requests of each round
@@ -119,7 +133,8 @@ class Variant:
 
 
 def prepare_models(cfg: ServingBenchConfig) -> list[Variant]:
-    """The base folder and its two SwiftKV conversions (cached in ``work_dir``)."""
+    """The base folder and its two SwiftKV conversions (cached in ``work_dir``), plus the no-skip
+    control when asked for."""
     from transformers import AutoConfig
 
     from swiftkv.bundled import copy_bundled_tokenizer
@@ -149,6 +164,8 @@ def prepare_models(cfg: ServingBenchConfig) -> list[Variant]:
             log.info("converting %s -> %s", base, out)
             convert_checkpoint(str(base), out, num_key_value_layers=c, key_value_group_size=size, overwrite=True)
         variants.append(Variant(name, out))
+    if cfg.no_skip_control:
+        variants.append(Variant(f"swiftkv c={c}, no skipping", variants[1].path, prefill_skipping=False))
     return variants
 
 
@@ -185,6 +202,7 @@ def start_engine(variant: Variant, cfg: ServingBenchConfig, max_model_len: int):
         kv_cache_dtype=cfg.kv_cache_dtype,
         tensor_parallel_size=cfg.tensor_parallel_size,
         seed=0,
+        additional_config={"swiftkv": {"prefill_skipping": variant.prefill_skipping}},
     )
     cache = llm.llm_engine.vllm_config.cache_config
     variant.kv_tokens = cache.num_gpu_blocks * cache.block_size
@@ -358,7 +376,7 @@ def plot_png(result: dict) -> bytes:
 
 
 def run_benchmark(cfg: ServingBenchConfig) -> dict:
-    """Prepare the three checkpoints, measure them side by side and return the summary."""
+    """Prepare the checkpoints, measure them side by side and return the summary."""
     if not cfg.use_gpu:  # in-process CPU engines: a separate engine process would compete for the cores
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
