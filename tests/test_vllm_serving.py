@@ -400,3 +400,29 @@ def test_bad_checkpoints_fail_at_load(engines, checkpoints, tmp_path, edits, eng
     with pytest.raises(Exception, match=message):
         LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=256, **engine_kwargs)
     gc.collect()
+
+
+@pytest.mark.parametrize(
+    ("tensor", "rows", "message"),
+    [
+        # Too large: vLLM's sharded loader alone would cut it to size and load it without a word.
+        ("model.layers.3.self_attn.q_proj_swiftkv.weight", 256,
+         r"q_proj_swiftkv.weight has shape \(256, 128\), but its config.json calls for \(128, 128\)"),
+        ("model.layers.2.self_attn.k_proj_swiftkv.weight", 16, r"k_proj_swiftkv.weight has shape \(16, 128\)"),
+        ("model.layers.0.self_attn.k_proj.weight", 16,
+         r"k_proj.weight of shape \(16, 128\) does not fit model.layers.0.self_attn.qkv_proj.weight"),
+    ],
+    ids=["swiftkv-q-too-large", "swiftkv-k-too-small", "base-k-too-small"],
+)
+def test_wrong_shaped_tensors_fail_at_load(engines, checkpoints, tmp_path, tensor, rows, message):
+    from safetensors.torch import load_file, save_file
+    from vllm import LLM
+
+    engines.close()
+    path = broken_copy(checkpoints, tmp_path)
+    state = load_file(path / "model.safetensors")
+    state[tensor] = torch.zeros(rows, *state[tensor].shape[1:])
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Exception, match=message):
+        LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=256)
+    gc.collect()

@@ -52,6 +52,20 @@ def target_of(name: str, layout: SwiftKVLayout, swiftkv: bool) -> Target | None:
     return f"model.kv_proj_swiftkv.{kind}", group if which == "k" else layout.num_groups + group
 
 
+def swiftkv_tensor_shape(name: str, layout: SwiftKVLayout, hidden_size: int) -> tuple[int, ...] | None:
+    """The whole (unsharded) shape the config gives a SwiftKV tensor; ``None`` for other tensors.
+    vLLM's sharded loaders cut a tensor that is too large to the parameter's size without a word,
+    so our tensors are checked against the config before they are loaded."""
+    if name == "model.norm_swiftkv.weight":
+        return (hidden_size,)
+    match = _ATTN.fullmatch(name)
+    if match is None or match[3] is None:
+        return None
+    heads = layout.heads.total_num_heads if match[2] == "q" else layout.heads.total_num_kv_heads
+    rows = heads * layout.heads.head_dim
+    return (rows, hidden_size) if match[4] == "weight" else (rows,)
+
+
 def load_swiftkv_weights(
     model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], layout: SwiftKVLayout
 ) -> set[str]:
@@ -71,12 +85,24 @@ def load_swiftkv_weights(
         param_name, shard = target
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name} has no place in {type(model).__name__} ({param_name})")
+        want = swiftkv_tensor_shape(name, layout, model.config.hidden_size)
+        if want is not None and tuple(tensor.shape) != want:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, but its config.json calls for "
+                f"{want}: the checkpoint does not match its config"
+            )
         param = params[param_name]
         loader = getattr(param, "weight_loader", default_weight_loader)
-        if shard is None:
-            loader(param, tensor)
-        else:
-            loader(param, tensor, shard)
+        try:
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        except (AssertionError, RuntimeError) as err:  # vLLM's loaders do not name the tensor
+            raise ValueError(
+                f"checkpoint tensor {name} of shape {tuple(tensor.shape)} does not fit {param_name}: "
+                f"the checkpoint does not match its config ({err})"
+            ) from err
         loaded.add(param_name)
     if model.config.swiftkv:
         _check_swiftkv_tensors(seen, layout)
