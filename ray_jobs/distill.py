@@ -56,10 +56,11 @@ def _storage(path: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
     return root, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
 
 
-def zero3_starting_point(cfg: DistillConfig) -> DistillConfig:
-    """``cfg``, or under ZeRO-3 with a base model, ``cfg`` pointing at a SwiftKV conversion written
-    once to ``<storage_path>/<name>/student-init`` by a Ray task (reused when the job reruns)."""
-    if cfg.deepspeed.zero_stage != 3 or is_swiftkv_checkpoint(resolve_model(cfg.model)):
+def zero3_starting_point(cfg: DistillConfig, model_path: str) -> DistillConfig:
+    """``cfg``, or under ZeRO-3 with a base model (``model_path``: ``cfg.model`` resolved), ``cfg``
+    pointing at a SwiftKV conversion written once to ``<storage_path>/<name>/student-init`` by a Ray
+    task (reused when the job reruns)."""
+    if cfg.deepspeed.zero_stage != 3 or is_swiftkv_checkpoint(model_path):
         return cfg
     storage = cfg.output.storage_path
     root = storage.rstrip("/") if "://" in storage else os.path.abspath(storage)
@@ -70,9 +71,8 @@ def zero3_starting_point(cfg: DistillConfig) -> DistillConfig:
     return cfg.model_copy(update={"model": converted})
 
 
-def build_trainer(cfg: DistillConfig) -> TorchTrainer:
-    model_path = resolve_model(cfg.model)
-    train_ds, heldout_ds = build_datasets(cfg.data, tokenizer_path=model_path)
+def build_trainer(cfg: DistillConfig, tokenizer_path: str) -> TorchTrainer:
+    train_ds, heldout_ds = build_datasets(cfg.data, tokenizer_path=tokenizer_path)
     datasets = {"train": train_ds} if heldout_ds is None else {"train": train_ds, "heldout": heldout_ds}
     storage_path, storage_fs = _storage(cfg.output.storage_path)
     return TorchTrainer(
@@ -101,7 +101,8 @@ def run(cfg: DistillConfig) -> ray.train.Result:
         resolve_files(source.uri)
     if not ray.is_initialized():
         ray.init()
-    result = build_trainer(zero3_starting_point(cfg)).fit()
+    model_path = resolve_model(cfg.model)  # the tokenizer for the data pipeline comes from here
+    result = build_trainer(zero3_starting_point(cfg, model_path), model_path).fit()
     summary = {
         "checkpoint": f"{result.checkpoint.path}/{MODEL_DIR}" if result.checkpoint else None,
         "metrics": result.metrics,

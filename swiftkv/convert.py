@@ -83,16 +83,15 @@ def convert_model(
     return model.eval()
 
 
-def load_base_model(source: str, dtype: str | torch.dtype = "auto") -> PreTrainedModel:
-    """Load a base checkpoint from a model reference (a folder, ``bundled``, an ``s3://`` folder or a
-    hub id: ``swiftkv.model_source``), with a clear error if it is none of them."""
-    path = resolve_model(source)
+def load_base_model(path: str, dtype: str | torch.dtype = "auto") -> PreTrainedModel:
+    """Load a base checkpoint from a local folder or hub id (``swiftkv.model_source.resolve_model``
+    turns any model reference into one), with a clear error if it is not a checkpoint."""
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{source} is a folder but has no config.json: not a Hugging Face checkpoint")
+        raise FileNotFoundError(f"{path} is a folder but has no config.json: not a Hugging Face checkpoint")
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as err:
-        raise FileNotFoundError(f"could not load base checkpoint {source!r}: {err}") from err
+        raise FileNotFoundError(f"could not load base checkpoint {path!r}: {err}") from err
 
 
 def convert_checkpoint(
