@@ -58,16 +58,16 @@ def _storage(path: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
 
 def zero3_starting_point(cfg: DistillConfig, model_path: str) -> DistillConfig:
     """``cfg``, or under ZeRO-3 with a base model (``model_path``: ``cfg.model`` resolved), ``cfg``
-    pointing at a SwiftKV conversion written once to ``<storage_path>/<name>/student-init`` by a Ray
-    task (reused when the job reruns)."""
+    pointing at a SwiftKV conversion written once under ``<storage_path>/<name>/`` by a Ray task
+    (``convert_once``; reused when the job reruns)."""
     if cfg.deepspeed.zero_stage != 3 or is_swiftkv_checkpoint(model_path):
         return cfg
     storage = cfg.output.storage_path
     root = storage.rstrip("/") if "://" in storage else os.path.abspath(storage)
-    target = f"{root}/{cfg.output.name}/student-init"
-    logger.info("ZeRO-3: converting %s once to %s for the workers to load partitioned", cfg.model, target)
+    parent = f"{root}/{cfg.output.name}"
+    logger.info("ZeRO-3: converting %s once under %s for the workers to load partitioned", cfg.model, parent)
     task = ray.remote(num_cpus=1)(convert_once)
-    converted = ray.get(task.remote(cfg.model, target, cfg.num_key_value_layers, cfg.key_value_group_size))
+    converted = ray.get(task.remote(cfg.model, parent, cfg.num_key_value_layers, cfg.key_value_group_size))
     return cfg.model_copy(update={"model": converted})
 
 

@@ -1,6 +1,6 @@
 """Model references, read the same way by every CLI verb, job and benchmark: a local folder,
 ``bundled`` (the bundled SmolLM2-135M-Instruct), a remote folder (``s3://``, ``gs://``: any fsspec
-URI; copied once per node into ``$SWIFTKV_CACHE/models``) or a Hugging Face hub id."""
+URI; copied once per node and per upload into ``$SWIFTKV_CACHE/models``) or a Hugging Face hub id."""
 
 from __future__ import annotations
 
@@ -22,13 +22,17 @@ MODEL_HELP = f"model: local folder, {BUNDLED!r} (the bundled SmolLM2-135M-Instru
 
 def _download(uri: str) -> Path:
     """Copy a remote checkpoint folder once per node into the local cache (atomically: a folder
-    appears whole or not at all, so concurrent workers on one node never read a partial copy)."""
-    local = cache_root() / "models" / hashlib.sha1(uri.encode()).hexdigest()[:16]
+    appears whole or not at all, so concurrent workers on one node never read a partial copy). The
+    copy is keyed by the URI and the time its ``config.json`` was written, so a model uploaded
+    again to the same place is copied again rather than served stale."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    config = f"{path.rstrip('/')}/config.json"
+    if not fs.exists(config):
+        raise FileNotFoundError(f"model {uri!r} has no config.json: not a Hugging Face checkpoint folder")
+    key = f"{uri}@{fs.modified(config).isoformat()}"
+    local = cache_root() / "models" / hashlib.sha1(key.encode()).hexdigest()[:16]
     if (local / "config.json").is_file():
         return local
-    fs, path = fsspec.core.url_to_fs(uri)
-    if not fs.exists(f"{path.rstrip('/')}/config.json"):
-        raise FileNotFoundError(f"model {uri!r} has no config.json: not a Hugging Face checkpoint folder")
     local.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=local.parent))
     log.info("copying model %s to %s", uri, local)
@@ -70,7 +74,9 @@ def resolve_model(ref: str | Path) -> str:
     path = Path(ref).expanduser()
     if path.is_dir():
         return str(path)
-    if ref.startswith((".", "/", "~")) or path.exists():
+    if path.exists():
+        raise FileNotFoundError(f"model {ref} is a file; a model is a checkpoint folder")
+    if ref.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model folder {ref} does not exist")
     _check_hub_id(ref)
     return ref

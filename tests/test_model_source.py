@@ -49,8 +49,9 @@ def test_a_remote_folder_is_copied_once_per_node(s3, tmp_path):
     s3.put(f"{tmp_path / 'base'}/", "models/llama/", recursive=True)
     copy = resolve_model("s3://models/llama")
     assert Path(copy).is_relative_to(tmp_path / "cache") and (Path(copy) / "config.json").is_file()
-    s3.rm("models/llama", recursive=True)
+    s3.rm("models/llama/model.safetensors")  # a second copy would now lack the weights
     assert resolve_model("s3://models/llama") == copy  # served from the node's cache
+    assert (Path(copy) / "model.safetensors").is_file()
     with pytest.raises(FileNotFoundError, match="'s3://models/nothing' has no config.json"):
         resolve_model("s3://models/nothing")
 
@@ -60,26 +61,40 @@ def test_folders_bundled_and_bad_references(tmp_path):
     assert resolve_model("bundled") == str(default_model_dir())
     with pytest.raises(FileNotFoundError, match="model folder ./no-such-folder does not exist"):
         resolve_model("./no-such-folder")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="is a file; a model is a checkpoint folder"):
+        resolve_model(tmp_path / "config.json")
     # HF_HUB_OFFLINE=1 in the suite: an id that is in no local cache cannot be loaded here.
     with pytest.raises(FileNotFoundError, match="'no-such-org/no-such-model' is not a local folder, 'bundled'"):
         resolve_model("no-such-org/no-such-model")
 
 
-def test_convert_once_to_s3_is_reused_and_redone_for_another_cutoff(s3, tmp_path):
-    """The ZeRO-3 starting point of the distillation job: converted once to S3, loaded from there by
-    the workers (``resolve_model``), kept on a rerun, replaced when the cutoff changes."""
+def test_convert_once_to_s3_is_reused_and_kept_apart_per_arguments(s3, tmp_path):
+    """The ZeRO-3 starting point of the distillation job: converted once to S3 and loaded from there
+    by the workers (``resolve_model``); a rerun keeps it; another cutoff or base model gets its own."""
     from transformers import AutoConfig
 
     from swiftkv.distill.model_io import convert_once
 
-    save_tiny_base(tmp_path / "base", "llama", num_hidden_layers=4)
-    target = "s3://models/run/student-init"
-    assert convert_once(str(tmp_path / "base"), target, None, 1) == target
-    assert AutoConfig.from_pretrained(resolve_model(target)).num_key_value_layers == 2  # half of 4
-    s3.put_file(str(tmp_path / "base" / "config.json"), "models/run/student-init/marker")
-    convert_once(str(tmp_path / "base"), target, 2, 1)
-    assert s3.exists("models/run/student-init/marker")  # reused, not rewritten
-    convert_once(str(tmp_path / "base"), target, 3, 1)
-    assert not s3.exists("models/run/student-init/marker")
-    config = json.loads(s3.cat_file("models/run/student-init/config.json"))
-    assert config["num_key_value_layers"] == 3 and config["model_type"] == "llama_swiftkv"
+    for name in ("base", "other"):
+        save_tiny_base(tmp_path / name, "llama", num_hidden_layers=4, seed=len(name))
+    first = convert_once(str(tmp_path / "base"), "s3://models/run", None, 1)
+    assert first.startswith("s3://models/run/student-init-")
+    assert AutoConfig.from_pretrained(resolve_model(first)).num_key_value_layers == 2  # half of 4
+    s3.put_file(str(tmp_path / "base" / "config.json"), first.removeprefix("s3://") + "/marker")
+    assert convert_once(str(tmp_path / "base"), "s3://models/run", None, 1) == first
+    assert s3.exists(first.removeprefix("s3://") + "/marker")  # reused, not rewritten
+    other_cutoff = convert_once(str(tmp_path / "base"), "s3://models/run", 3, 1)
+    other_base = convert_once(str(tmp_path / "other"), "s3://models/run", None, 1)
+    assert len({first, other_cutoff, other_base}) == 3
+    assert json.loads(s3.cat_file(other_cutoff.removeprefix("s3://") + "/config.json"))["num_key_value_layers"] == 3
+
+
+def test_a_model_uploaded_again_is_copied_again(s3, tmp_path):
+    for name, layers in (("v1", 4), ("v2", 6)):
+        save_tiny_base(tmp_path / name, "llama", num_hidden_layers=layers)
+    s3.put(f"{tmp_path / 'v1'}/", "models/again/", recursive=True)
+    first = resolve_model("s3://models/again")
+    s3.put(f"{tmp_path / 'v2'}/", "models/again/", recursive=True)
+    second = resolve_model("s3://models/again")
+    assert second != first and json.loads((Path(second) / "config.json").read_text())["num_hidden_layers"] == 6

@@ -8,6 +8,7 @@ SPEC checkpoint layout, loadable by ``AutoModelForCausalLM`` after ``import swif
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import tempfile
@@ -21,7 +22,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 import swiftkv  # noqa: F401  (registers the SwiftKV Auto classes)
-from swiftkv.config import default_cutoff
 from swiftkv.convert import convert_checkpoint, convert_model, load_base_model
 
 log = logging.getLogger(__name__)
@@ -79,20 +79,17 @@ def is_swiftkv_checkpoint(path: str) -> bool:
     return AutoConfig.from_pretrained(path).model_type.endswith("_swiftkv")
 
 
-def convert_once(base: str, target: str, num_key_value_layers: int | None, key_value_group_size: int) -> str:
-    """Write the SwiftKV conversion of the model reference ``base`` to ``target`` (a folder or an
-    fsspec URI such as ``s3://``) and return ``target``. A ``target`` that already holds a conversion
-    with this cutoff and group size (a rerun of the same job) is kept. ``config.json`` is written
-    last, so a conversion cut short is never taken for a finished one."""
+def convert_once(base: str, parent: str, num_key_value_layers: int | None, key_value_group_size: int) -> str:
+    """Write the SwiftKV conversion of the model reference ``base`` under ``parent`` (a folder or an
+    fsspec URI such as ``s3://``) and return where: ``student-init-<hash of the arguments>``, so a
+    rerun with the same arguments finds and keeps it, and other arguments never meet a stale one.
+    ``config.json`` is written last, so a conversion cut short is never taken for a finished one."""
+    args = json.dumps([base, num_key_value_layers, key_value_group_size])
+    target = f"{parent.rstrip('/')}/student-init-{hashlib.sha1(args.encode()).hexdigest()[:12]}"
     fs, root = fsspec.core.url_to_fs(target)
-    root = root.rstrip("/")
     if fs.exists(f"{root}/config.json"):
-        config = json.loads(fs.cat_file(f"{root}/config.json"))
-        c = num_key_value_layers or default_cutoff(config["num_hidden_layers"])
-        if (config.get("num_key_value_layers"), config.get("key_value_group_size")) == (c, key_value_group_size):
-            log.info("reusing the SwiftKV conversion in %s", target)
-            return target
-        fs.rm(root, recursive=True)
+        log.info("reusing the SwiftKV conversion in %s", target)
+        return target
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "model"
         convert_checkpoint(base, local, num_key_value_layers, key_value_group_size)
