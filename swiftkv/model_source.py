@@ -23,13 +23,14 @@ MODEL_HELP = f"model: local folder, {BUNDLED!r} (the bundled SmolLM2-135M-Instru
 def _download(uri: str) -> Path:
     """Copy a remote checkpoint folder once per node into the local cache (atomically: a folder
     appears whole or not at all, so concurrent workers on one node never read a partial copy). The
-    copy is keyed by the URI and the time its ``config.json`` was written, so a model uploaded
-    again to the same place is copied again rather than served stale."""
+    copy is keyed by the URI and the write time, size and ETag of its ``config.json``, so a model
+    uploaded again to the same place is copied again rather than served stale."""
     fs, path = fsspec.core.url_to_fs(uri)
     config = f"{path.rstrip('/')}/config.json"
     if not fs.exists(config):
         raise FileNotFoundError(f"model {uri!r} has no config.json: not a Hugging Face checkpoint folder")
-    key = f"{uri}@{fs.modified(config).isoformat()}"
+    info = fs.info(config)  # the ETag too: object stores stamp writes to the second only
+    key = f"{uri}@{fs.modified(config).isoformat()}/{info.get('size')}/{info.get('ETag', '')}"
     local = cache_root() / "models" / hashlib.sha1(key.encode()).hexdigest()[:16]
     if (local / "config.json").is_file():
         return local
