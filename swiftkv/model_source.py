@@ -13,11 +13,15 @@ from pathlib import Path
 import fsspec
 from fsspec.callbacks import TqdmCallback
 
-from swiftkv.bundled import BUNDLED, cache_root, ensure_bundled_model
+from swiftkv.bundled import BUNDLED, MODEL_DIR_NAME, cache_root, ensure_bundled_model
 
 log = logging.getLogger(__name__)
 
-MODEL_HELP = f"model: local folder, {BUNDLED!r} (the bundled SmolLM2-135M-Instruct), s3://... folder or hub id"
+BUNDLED_SWIFTKV = "bundled-swiftkv"
+"""The bundled SmolLM2-135M-Instruct converted to 50% SwiftKV (c=15; initial, undistilled weights)."""
+
+MODEL_HELP = (f"model: local folder, {BUNDLED!r} (the bundled SmolLM2-135M-Instruct), {BUNDLED_SWIFTKV!r} "
+              "(its 50%% SwiftKV conversion, undistilled), s3://... folder or hub id")
 
 
 def _download(uri: str) -> Path:
@@ -60,9 +64,25 @@ def _check_hub_id(ref: str) -> None:
     except (OSError, ValueError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileNotFoundError(
-            f"model {ref!r} is not a local folder, {BUNDLED!r}, a remote folder URI (s3://...) or a hub id "
+            f"model {ref!r} is not a local folder, {BUNDLED!r}, {BUNDLED_SWIFTKV!r}, a remote folder URI "
+            "(s3://...) or a hub id "
             f"this machine can load ({reason})"
         ) from err
+
+
+def _bundled_swiftkv() -> Path:
+    """Convert the bundled model to 50% SwiftKV once per node (under a lock: replicas starting
+    together on one node convert it once)."""
+    from filelock import FileLock
+
+    from swiftkv.convert import convert_checkpoint
+
+    out = cache_root() / f"{MODEL_DIR_NAME}-swiftkv-50"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "config.json").is_file():
+            convert_checkpoint(BUNDLED, out, cutoff=0.5, overwrite=True)
+    return out
 
 
 def resolve_model(ref: str | Path) -> str:
@@ -70,6 +90,8 @@ def resolve_model(ref: str | Path) -> str:
     ref = str(ref)
     if ref == BUNDLED:
         return str(ensure_bundled_model())
+    if ref == BUNDLED_SWIFTKV:
+        return str(_bundled_swiftkv())
     if "://" in ref:
         return str(_download(ref))
     path = Path(ref).expanduser()

@@ -24,15 +24,26 @@ class StrictConfig(BaseModel):
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set ``a.b.c=value`` in a nested dict (creating levels), so the model reports bad keys later."""
+    """Set ``a.b.c=value`` in a nested dict (creating levels; an integer part indexes a list, as in
+    ``models.0.name``), so the model reports bad keys later."""
     *parents, leaf = dotted.split(".")
-    node = tree
+    node: Any = tree
     for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ValueError(f"--set {dotted}: {part!r} is not an index of a {len(node)}-item list")
+            child = node[int(part)]
+        else:
+            child = node.setdefault(part, {})
+        if not isinstance(child, (dict, list)):
             raise ValueError(f"--set {dotted}: {part!r} is not a section")
         node = child
-    node[leaf] = value
+    if isinstance(node, list):
+        if not leaf.isdigit() or int(leaf) >= len(node):
+            raise ValueError(f"--set {dotted}: {leaf!r} is not an index of a {len(node)}-item list")
+        node[int(leaf)] = value
+    else:
+        node[leaf] = value
 
 
 def _explain(err: ValidationError, what: str) -> str:

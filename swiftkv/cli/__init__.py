@@ -16,6 +16,8 @@ VERB_MODULES = [
     "swiftkv.cli.bundle",
     "swiftkv.cli.flops",
     "swiftkv.cli.simscore",
+    "swiftkv.cli.serve",
+    "swiftkv.cli.calibrate",
 ]
 
 

@@ -1,0 +1,91 @@
+"""The Serve application builder: ``import_path: serve_apps.app:build_app`` in a Serve config file.
+
+    serve run serve_apps/smollm2-cpu.yaml        # or: serve deploy, or swiftkv serve --config ...
+
+One ``OpenAIIngress`` deployment routes by the request's ``model`` field to one ``ModelServer``
+deployment per configured model; each model deployment carries its autoscaling policy and request
+router, built here from the typed config (``serve_apps/config.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ray.serve import Application
+
+from serve_apps.config import AppConfig, ModelOptions
+from serve_apps.ingress import OpenAIIngress
+from serve_apps.model_server import ModelServer
+from swiftkv.yaml_config import parse_config
+
+
+def deployment_name(model_name: str) -> str:
+    """The Serve deployment of a model (Serve names allow no slashes)."""
+    return "model-" + re.sub(r"[^A-Za-z0-9._-]", "-", model_name)
+
+
+def autoscaling_config(options: ModelOptions) -> dict[str, Any]:
+    """Serve's ``autoscaling_config`` for a model deployment."""
+    scaling = options.autoscaling
+    config: dict[str, Any] = {
+        "min_replicas": scaling.min_replicas,
+        "max_replicas": scaling.max_replicas,
+        "initial_replicas": scaling.initial_replicas,
+        "upscale_delay_s": scaling.upscale_delay_s,
+        "downscale_delay_s": scaling.downscale_delay_s,
+        "look_back_period_s": scaling.look_back_period_s,
+        "metrics_interval_s": scaling.metrics_interval_s,
+    }
+    if scaling.policy == "requests":
+        config["target_ongoing_requests"] = scaling.target_ongoing_requests
+    else:
+        config["policy"] = {
+            "policy_function": "serve_apps.policy:PrefillAutoscalingPolicy",
+            "policy_kwargs": {
+                "prefill_tokens_per_s": options.prefill_tokens_per_s,
+                "ttft_budget_s": scaling.ttft_budget_s,
+                "target_utilization": scaling.target_utilization,
+                "downscale_utilization": scaling.downscale_utilization,
+                "kv_cache_high": scaling.kv_cache_high,
+                "kv_cache_low": scaling.kv_cache_low,
+            },
+        }
+    return config
+
+
+def request_router_config(options: ModelOptions) -> dict[str, Any]:
+    """Serve's ``request_router_config`` for a model deployment."""
+    routing = options.routing
+    config: dict[str, Any] = {"request_routing_stats_period_s": routing.stats_period_s}
+    if routing.router == "prefill":
+        config["request_router_class"] = "serve_apps.router:PrefillAwareRouter"
+        config["request_router_kwargs"] = {
+            "prefill_tokens_per_s": options.prefill_tokens_per_s,
+            "prefix_margin_s": routing.prefix_margin_s,
+        }
+    return config
+
+
+def model_deployment(options: ModelOptions) -> Application:
+    """The bound ``ModelServer`` deployment for one model."""
+    actor_options: dict[str, Any] = {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus}
+    if options.env:
+        actor_options["runtime_env"] = {"env_vars": dict(options.env)}
+    return ModelServer.options(
+        name=deployment_name(options.name),
+        ray_actor_options=actor_options,
+        max_ongoing_requests=options.max_ongoing_requests,
+        graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
+        autoscaling_config=autoscaling_config(options),
+        request_router_config=request_router_config(options),
+        # vLLM engines take a while to load and compile; Serve must not give up on them early.
+        health_check_timeout_s=60,
+    ).bind(options)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Build the application from a Serve config's ``args`` (validated as :class:`AppConfig`)."""
+    config = args if isinstance(args, AppConfig) else parse_config(AppConfig, dict(args), what="serve_apps config")
+    models = {m.name: model_deployment(m) for m in config.models}
+    return OpenAIIngress.options(num_replicas=config.ingress_replicas).bind(config, models)

@@ -1,0 +1,154 @@
+"""The application on an embedded local Ray, for a laptop (``swiftkv serve``).
+
+Starts Ray and Serve on this machine, deploys the application, prints the URL when it is ready,
+and on SIGTERM or Ctrl-C drains in-flight requests (Serve's graceful shutdown), stops Serve and Ray
+and makes sure no process is left behind: this process becomes a child subreaper (Linux), so vLLM
+engine-core and worker processes orphaned by a dying replica are re-parented to it, and whatever
+is still running once Ray has stopped is terminated.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from serve_apps.config import AppConfig
+from swiftkv.yaml_config import parse_config
+
+log = logging.getLogger("swiftkv.serve")
+
+APP_NAME = "swiftkv"
+IMPORT_PATH = "serve_apps.app:build_app"
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def read_app_config(path: str | Path | None, models: list[str], overrides: list[str]) -> AppConfig:
+    """The application config from a Serve config file (the ``args`` of its swiftkv application) or
+    a bare ``AppConfig`` YAML, with ``--model [NAME=]REF`` entries replacing its models (each takes
+    the file's first model entry, or the CPU defaults, as its template) and ``--set`` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        tree = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ValueError(f"{path}: the config must be a YAML mapping")
+        if "applications" in tree:
+            apps = [a for a in tree["applications"] or [] if a.get("import_path") == IMPORT_PATH]
+            if not apps:
+                raise ValueError(f"{path}: no application with import_path {IMPORT_PATH}")
+            tree = apps[0].get("args") or {}
+    if models:
+        template = dict((tree.get("models") or [cpu_model_template()])[0])
+        entries = []
+        for item in models:
+            name, sep, ref = item.partition("=")
+            if not sep:
+                name, ref = Path(item.rstrip("/")).name or item, item
+            entries.append({**template, "name": name, "model": ref})
+        tree["models"] = entries
+    if not tree.get("models"):
+        raise ValueError("no model to serve: give --model PATH (repeatable) or --config FILE")
+    return parse_config(AppConfig, tree, overrides, what="serve config")
+
+
+def cpu_model_template() -> dict[str, Any]:
+    """Defaults for a model served on this machine without a config file."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {"num_gpus": 1}
+    return {"env": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+            "engine_kwargs": {"max_model_len": 8192}}
+
+
+def _become_subreaper() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def stop_leftovers(grace_s: float = 10.0) -> list[str]:
+    """Terminate every process still descended from this one; return what was found."""
+    children = psutil.Process().children(recursive=True)
+    found = []
+    for child in children:
+        try:
+            found.append(f"{child.pid} {' '.join(child.cmdline())[:80]}")
+            child.terminate()
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return found
+
+
+class _Stop(Exception):
+    """Raised in the main thread by the first SIGTERM/SIGINT."""
+
+
+def _install_signal_handlers() -> None:
+    def handler(signum, frame):
+        # Later signals are ignored: the drain and shutdown below must not be cut short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise _Stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None, metrics_port: int) -> int:
+    """Run until SIGTERM/Ctrl-C; return the exit code."""
+    _become_subreaper()
+    _install_signal_handlers()
+    started = False
+    try:
+        import ray
+        from ray import serve
+
+        from serve_apps.app import build_app
+
+        ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False,
+                 _metrics_export_port=metrics_port, configure_logging=False)
+        _install_signal_handlers()  # ray.init replaced them with its own
+        started = True
+        serve.start(http_options={"host": host, "port": port})
+        names = ", ".join(m.name for m in config.models)
+        print(f"swiftkv serve: starting {names} (first start loads and warms up each engine)", flush=True)
+        t0 = time.monotonic()
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        print(f"swiftkv serve: ready in {time.monotonic() - t0:.0f} s at http://{host}:{port}/v1 "
+              f"(models: {names}; health: http://{host}:{port}/health; "
+              f"Prometheus metrics: http://127.0.0.1:{metrics_port}/metrics)", flush=True)
+        while True:
+            time.sleep(3600)
+    except _Stop as stop:
+        print(f"swiftkv serve: {stop}: draining in-flight requests, then stopping", flush=True)
+        return 0
+    finally:
+        if started:
+            from ray import serve
+
+            try:
+                serve.shutdown()  # each deployment drains within its graceful_shutdown_timeout_s
+            finally:
+                ray.shutdown()
+        left = stop_leftovers()
+        if left:
+            log.warning("stopped %d leftover process(es): %s", len(left), "; ".join(left))
+        print("swiftkv serve: stopped", flush=True)

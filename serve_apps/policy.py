@@ -1,0 +1,144 @@
+"""Autoscaling on prefill load: replicas enough for the prompt-token arrival rate and for the
+backlog within a TTFT budget, with a KV-cache guard, and scale-down only when fewer replicas would
+still meet the budget with room to spare.
+
+Ray Serve's default policy counts ongoing requests, which is the wrong unit for LLM traffic (a
+30-token and a 30,000-token prompt weigh the same). Here the unit is uncached prompt tokens, and a
+replica's capacity is its calibrated prefill rate ``mu`` (tokens/s, ``swiftkv calibrate``). With
+``lam`` the fleet's uncached prompt-token arrival rate and ``B`` the uncached tokens waiting, N
+replicas keep up when ``lam <= u N mu`` (``u``: target utilisation) and clear the backlog within the
+budget ``T`` when ``lam + B / T <= N mu``. The scale-down test uses a lower utilisation ``u_down``,
+so a fleet just scaled down sits well below the scale-up line (no 2-1-2 flapping); Serve's own
+``upscale_delay_s``/``downscale_delay_s`` and min/max bounds apply on top.
+
+:func:`decide` is a pure function of the replicas' :class:`~serve_apps.load.ReplicaLoad` figures,
+so the fleet simulator calls the very same code; :class:`PrefillAutoscalingPolicy` is the adapter
+Serve builds on its controller (``autoscaling_config.policy.policy_function``), with
+``policy_kwargs`` validated as :class:`PrefillPolicyConfig`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from serve_apps.load import ReplicaLoad
+
+log = logging.getLogger("ray.serve")
+
+
+class PrefillPolicyConfig(BaseModel):
+    """The prefill-aware policy's settings (``policy_kwargs``)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    prefill_tokens_per_s: float = Field(gt=0)
+    """One replica's prefill rate in uncached prompt tokens/s (measure it with ``swiftkv calibrate``
+    on the replica's hardware, SwiftKV on)."""
+
+    ttft_budget_s: float = Field(default=2.0, gt=0)
+    """The backlog must clear within this many seconds (the queueing part of TTFT)."""
+
+    target_utilization: float = Field(default=0.8, gt=0, le=1)
+    """Scale up when the arrival rate exceeds this share of the fleet's prefill capacity."""
+
+    downscale_utilization: float = Field(default=0.5, gt=0, le=1)
+    """Scale down only to a count that would run below this share (must be below
+    ``target_utilization``: the gap is the hysteresis band)."""
+
+    kv_cache_high: float = Field(default=0.9, gt=0, le=1)
+    """Add a replica when the replicas' mean KV-cache usage reaches this (decode memory pressure)."""
+
+    kv_cache_low: float = Field(default=0.6, gt=0, le=1)
+    """Scale down only if the remaining replicas' projected KV-cache usage stays at or below this."""
+
+    @model_validator(mode="after")
+    def _bands(self) -> PrefillPolicyConfig:
+        if self.downscale_utilization >= self.target_utilization:
+            raise ValueError("downscale_utilization must be below target_utilization (the hysteresis band)")
+        if self.kv_cache_low >= self.kv_cache_high:
+            raise ValueError("kv_cache_low must be below kv_cache_high")
+        return self
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A replica count and why."""
+
+    replicas: int
+    reason: str
+    demand_tokens_per_s: float = 0.0
+    backlog_tokens: float = 0.0
+    kv_cache_usage: float = 0.0
+
+
+def _replicas_for(load_tokens_per_s: float, per_replica: float) -> int:
+    return max(1, math.ceil(load_tokens_per_s / per_replica - 1e-9))
+
+
+def decide(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig) -> Decision:
+    """The replica count for ``current`` running replicas whose published figures are ``loads``
+    (replicas that have not published yet are simply absent)."""
+    if current == 0 or not loads:
+        return Decision(current, "no load figures yet: holding")
+    mu, budget = cfg.prefill_tokens_per_s, cfg.ttft_budget_s
+    demand = sum(load.prompt_tokens_per_s * load.uncached_fraction for load in loads)
+    backlog = sum(load.uncached_tokens_waiting for load in loads)
+    kv = sum(load.kv_cache_usage for load in loads) / len(loads)
+    figures = {"demand_tokens_per_s": demand, "backlog_tokens": backlog, "kv_cache_usage": kv}
+
+    keep_up = _replicas_for(demand, cfg.target_utilization * mu)
+    clear_backlog = _replicas_for(demand + backlog / budget, mu)
+    wanted = max(keep_up, clear_backlog)
+    if kv >= cfg.kv_cache_high:
+        wanted = max(wanted, current + 1)
+    if wanted > current:
+        if wanted > max(keep_up, clear_backlog):
+            why = f"KV cache {kv:.0%} full"
+        else:
+            why = "backlog over the TTFT budget" if clear_backlog > keep_up else "arrival rate over capacity"
+        return Decision(wanted, f"scale up to {wanted}: {why}", **figures)
+    if current > 1:
+        low = cfg.downscale_utilization * mu
+        enough = max(_replicas_for(demand, low), _replicas_for(demand + backlog / budget, low))
+        enough = max(enough, math.ceil(kv * current / cfg.kv_cache_low - 1e-9), 1)
+        if enough < current:
+            return Decision(enough, f"scale down to {enough}: {enough} replicas meet the budget below "
+                                    f"{cfg.downscale_utilization:.0%} load", **figures)
+    return Decision(current, "holding", **figures)
+
+
+def loads_from_metrics(aggregated: dict[str, dict[Any, float]] | None, replicas: list) -> list[ReplicaLoad]:
+    """One :class:`ReplicaLoad` per running replica that has published figures, from Serve's
+    ``AutoscalingContext.aggregated_metrics`` (``{metric: {replica_id: value}}``)."""
+    aggregated = aggregated or {}
+    loads = []
+    for replica in replicas:
+        metrics = {name: per_replica[replica] for name, per_replica in aggregated.items() if replica in per_replica}
+        if metrics:
+            loads.append(ReplicaLoad.from_metrics(metrics))
+    return loads
+
+
+class PrefillAutoscalingPolicy:
+    """Serve's class-form custom policy: built once on the controller with ``policy_kwargs``, then
+    called every control tick with an ``AutoscalingContext``. Non-blocking: arithmetic only."""
+
+    def __init__(self, **policy_kwargs: Any) -> None:
+        self.config = PrefillPolicyConfig.model_validate(policy_kwargs)
+
+    def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
+        loads = loads_from_metrics(ctx.aggregated_metrics, list(ctx.running_replicas))
+        decision = decide(loads, ctx.current_num_replicas, self.config)
+        state = dict(ctx.policy_state or {})
+        if decision.replicas != ctx.current_num_replicas and state.get("last_reason") != decision.reason:
+            log.info("swiftkv autoscaling %s: %s (demand %.0f tok/s, backlog %.0f tok, KV %.0f%%)",
+                     ctx.deployment_name, decision.reason, decision.demand_tokens_per_s,
+                     decision.backlog_tokens, 100 * decision.kv_cache_usage)
+        state.update(last_reason=decision.reason, demand_tokens_per_s=decision.demand_tokens_per_s,
+                     backlog_tokens=decision.backlog_tokens, kv_cache_usage=decision.kv_cache_usage)
+        return decision.replicas, state

@@ -1,0 +1,150 @@
+"""Routing on prefill load: each request goes to the replica with the lowest estimated time to first
+token, preferring the replica that already holds the prompt's prefix until its estimate exceeds the
+best other one's by a set margin.
+
+A replica's estimate is ``(uncached tokens waiting + tokens this router sent it since its figures
+were taken + this prompt's uncached tokens) / its calibrated prefill rate``. The waiting tokens come
+from the replica's own published :class:`~serve_apps.load.ReplicaLoad` (``record_routing_stats``);
+the router adds what it has sent since, because those figures are up to a stats period old. Prefix
+ownership is remembered locally (which replica last got each prefix block), so nothing here waits
+on another process: ``choose_replicas`` never blocks.
+
+:class:`PrefillRouterCore` is the pure part (the fleet simulator drives it directly);
+:class:`PrefillAwareRouter` is Serve's ``RequestRouter`` around it. It returns one replica per rank,
+so Serve's own queue-length re-pick within a rank cannot undo the order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve_apps.hints import PromptHint
+from serve_apps.load import ReplicaLoad
+
+
+class PrefillRouterConfig(BaseModel):
+    """The prefill-aware router's settings (``request_router_kwargs``)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    prefill_tokens_per_s: float = Field(default=1000.0, gt=0)
+    """Prefill rate assumed for a replica that has not published its calibrated one yet."""
+
+    prefix_margin_s: float = Field(default=1.0, ge=0)
+    """Keep a prompt on the replica holding its prefix until that replica's estimated TTFT exceeds
+    the best other replica's by more than this many seconds."""
+
+    sent_memory_s: float = Field(default=30.0, gt=0)
+    """Forget tokens this router sent a replica after this long even if no newer figures came."""
+
+    max_prefix_blocks: int = Field(default=200_000, gt=0)
+    """Prefix blocks remembered (least recently used forgotten first)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    replica: Hashable
+    ttft_s: float
+    cached_blocks: int
+
+
+class PrefillRouterCore:
+    """Ranks replicas for a request; remembers what it sent where."""
+
+    def __init__(self, config: PrefillRouterConfig, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self._sent: dict[Hashable, deque[tuple[float, float]]] = {}  # replica -> (time, tokens)
+        self._prefix_owner: OrderedDict[int, Hashable] = OrderedDict()
+
+    def _cached_blocks(self, replica: Hashable, hint: PromptHint) -> int:
+        """The longest prefix of the prompt, in blocks, that this replica was the last to be sent
+        (chained hashes: block i stands for the whole prefix up to and including it)."""
+        matched = 0
+        for i, block in enumerate(hint.prefix_blocks):
+            if self._prefix_owner.get(block) == replica:
+                matched = i + 1
+        return matched
+
+    def _sent_since(self, replica: Hashable, since: float, now: float) -> float:
+        sent = self._sent.get(replica)
+        if not sent:
+            return 0.0
+        while sent and sent[0][0] < now - self.config.sent_memory_s:
+            sent.popleft()
+        return sum(tokens for t, tokens in sent if t >= since)
+
+    def estimate(self, replica: Hashable, load: ReplicaLoad, hint: PromptHint, now: float) -> Estimate:
+        rate = load.prefill_capacity or self.config.prefill_tokens_per_s
+        cached = self._cached_blocks(replica, hint)
+        own = max(0.0, hint.prompt_tokens - cached * hint.block_tokens)
+        pending = load.uncached_tokens_waiting + self._sent_since(replica, load.timestamp, now)
+        return Estimate(replica, (pending + own) / rate, cached)
+
+    def rank(self, replicas: list[tuple[Hashable, ReplicaLoad]], hint: PromptHint) -> list[Hashable]:
+        """Replica ids, best first."""
+        now = self.clock()
+        estimates = sorted((self.estimate(r, load, hint, now) for r, load in replicas), key=lambda e: e.ttft_s)
+        holders = [e for e in estimates if e.cached_blocks > 0]
+        if holders:
+            holder = max(holders, key=lambda e: e.cached_blocks)  # sorted: ties go to the faster one
+            best_other = min((e.ttft_s for e in estimates if e.replica != holder.replica), default=float("inf"))
+            if holder.ttft_s <= best_other + self.config.prefix_margin_s:
+                estimates.remove(holder)
+                estimates.insert(0, holder)
+        return [e.replica for e in estimates]
+
+    def record_sent(self, replica: Hashable, hint: PromptHint) -> None:
+        """Count ``hint``'s tokens against ``replica`` and make it the owner of the prompt's prefix."""
+        self._sent.setdefault(replica, deque()).append((self.clock(), hint.prompt_tokens))
+        for block in hint.prefix_blocks:
+            self._prefix_owner[block] = replica
+            self._prefix_owner.move_to_end(block)
+        while len(self._prefix_owner) > self.config.max_prefix_blocks:
+            self._prefix_owner.popitem(last=False)
+
+    def forget_replicas(self, alive: set[Hashable]) -> None:
+        for replica in [r for r in self._sent if r not in alive]:
+            del self._sent[replica]
+        for block in [b for b, r in self._prefix_owner.items() if r not in alive]:
+            del self._prefix_owner[block]
+
+
+def request_hint(pending_request) -> PromptHint:
+    """The :class:`PromptHint` the ingress attached to a forwarded request (empty if none)."""
+    args = getattr(pending_request, "args", None) or ()
+    hint = getattr(args[0], "hint", None) if args else None
+    return hint if isinstance(hint, PromptHint) else PromptHint(0.0)
+
+
+try:
+    from ray.serve.request_router import RequestRouter
+except ImportError:  # pure use (tests, the fleet simulator) without Serve
+    RequestRouter = object
+
+
+class PrefillAwareRouter(RequestRouter):
+    """Serve's request router for the model deployments (``request_router_config``)."""
+
+    def initialize_state(self, **kwargs) -> None:
+        self.core = PrefillRouterCore(PrefillRouterConfig.model_validate(kwargs))
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        ranked = self.core.rank(
+            [(r.replica_id, ReplicaLoad.from_metrics(r.routing_stats)) for r in candidate_replicas],
+            request_hint(pending_request),
+        )
+        return [[by_id[r]] for r in ranked]
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        self.core.record_sent(replica_id, request_hint(pending_request))
+
+    def update_replicas(self, replicas) -> None:
+        super().update_replicas(replicas)
+        self.core.forget_replicas({r.replica_id for r in replicas})

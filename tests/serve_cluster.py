@@ -1,0 +1,95 @@
+"""A real local Ray cluster running the swiftkv Serve application on 127.0.0.1, for tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+CACHE = Path(__file__).resolve().parents[1] / ".cache"
+APP = "swiftkv"
+
+# Replica environment for tiny CPU engines: a small KV cache, both cores, caches inside the repo.
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Endpoint:
+    url: str
+    metrics_url: str
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            return response.read().decode()
+
+
+def engine_processes() -> list[psutil.Process]:
+    """vLLM engine-core and worker processes on this machine."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        text = f"{proc.info['name']} {' '.join(proc.info['cmdline'] or [])}"
+        if "VLLM::" in text or "ServeReplica" in text:
+            found.append(proc)
+    return found
+
+
+@contextmanager
+def local_serve(config, env: dict[str, str] | None = None) -> Iterator[Endpoint]:
+    """Start Ray (local, 8 logical CPUs) and Serve on a free loopback port, deploy ``config`` (an
+    ``AppConfig`` or its dict), yield the endpoint; stop everything and check no engine is left."""
+    import ray
+    from ray import serve
+
+    from serve_apps.app import build_app
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.update(env or {})
+    port, metrics_port = free_port(), free_port()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name=APP, route_prefix="/", blocking=False)
+        yield Endpoint(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics")
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+        deadline = time.monotonic() + 30
+        while engine_processes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = engine_processes()
+        for proc in left:
+            proc.kill()
+        assert not left, f"left running after Serve stopped: {[p.info['name'] for p in left]}"
+
+
+def replica_states(deployment: str) -> dict[str, int]:
+    """Serve's replica counts by state for one deployment of the app."""
+    from ray import serve
+
+    return dict(serve.status().applications[APP].deployments[deployment].replica_states)
+
+
+def wait_for(predicate, timeout_s: float, what: str, period_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(period_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")

@@ -1,0 +1,128 @@
+"""The prefill-aware autoscaling policy as a pure function of replica load, and through Ray Serve's
+own ``AutoscalingContext`` and policy wrapper (delays, bounds)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from pydantic import ValidationError
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from serve_apps.load import ReplicaLoad
+from serve_apps.policy import PrefillAutoscalingPolicy, PrefillPolicyConfig, decide
+
+MU = 1000.0  # tokens/s per replica
+CFG = PrefillPolicyConfig(prefill_tokens_per_s=MU, ttft_budget_s=2.0, target_utilization=0.8,
+                          downscale_utilization=0.5, kv_cache_high=0.9, kv_cache_low=0.6)
+
+
+def load(rate: float = 0.0, waiting: float = 0.0, kv: float = 0.0, uncached: float = 1.0) -> ReplicaLoad:
+    return ReplicaLoad(prompt_tokens_per_s=rate, prompt_tokens_waiting=waiting, kv_cache_usage=kv,
+                       uncached_fraction=uncached, prefill_capacity=MU, timestamp=time.time())
+
+
+def test_no_figures_yet_holds():
+    assert decide([], 3, CFG).replicas == 3
+    assert decide([load(rate=5000)], 0, CFG).replicas == 0  # Serve's cold-start path handles zero
+
+
+def test_arrival_rate_over_capacity_scales_up():
+    decision = decide([load(rate=1200)], 1, CFG)  # 1200 > 0.8 * 1000
+    assert decision.replicas == 2 and "arrival rate" in decision.reason
+    assert decide([load(rate=3000)], 1, CFG).replicas == 4  # ceil(3000 / 800)
+
+
+def test_backlog_over_the_ttft_budget_scales_up():
+    # 6000 waiting tokens must clear in 2 s: 3000 tok/s, three replicas, though nothing more arrives.
+    decision = decide([load(waiting=6000)], 1, CFG)
+    assert decision.replicas == 3 and "backlog" in decision.reason
+    assert decision.backlog_tokens == 6000
+
+
+def test_prefix_cache_hits_do_not_count_as_work():
+    # The same arrivals, nine tenths served from the prefix cache: one replica keeps up.
+    assert decide([load(rate=3000, waiting=6000, uncached=0.1)], 1, CFG).replicas == 1
+
+
+def test_kv_cache_pressure_adds_a_replica():
+    decision = decide([load(rate=100, kv=0.95)], 2 - 1, CFG)
+    assert decision.replicas == 2 and "KV cache" in decision.reason
+
+
+def test_hysteresis_band_holds():
+    # Two replicas at 1200 tok/s: one would be over 0.8 * mu, two are above 0.5 * mu each -> hold.
+    assert decide([load(rate=600), load(rate=600)], 2, CFG).replicas == 2
+
+
+def test_scale_down_only_when_fewer_replicas_meet_the_budget_with_room():
+    # 400 tok/s over two replicas: one replica runs at 40% < 50% -> scale down to one.
+    decision = decide([load(rate=200), load(rate=200)], 2, CFG)
+    assert decision.replicas == 1 and "scale down" in decision.reason
+    # From four replicas straight to the count that meets the budget below 50%.
+    assert decide([load(rate=450)] * 4, 4, CFG).replicas == 4  # 1800 tok/s: 4 needed at 50%
+    assert decide([load(rate=150)] * 4, 4, CFG).replicas == 2  # 600 tok/s: 2 at 50%
+
+
+def test_kv_cache_blocks_scale_down():
+    # Little prefill, but the KV cache of the survivors would be 2 * 0.4 = 0.8 > 0.6 full.
+    assert decide([load(rate=10, kv=0.4), load(rate=10, kv=0.4)], 2, CFG).replicas == 2
+    assert decide([load(rate=10, kv=0.2), load(rate=10, kv=0.2)], 2, CFG).replicas == 1
+
+
+def test_no_flapping_across_a_load_sweep():
+    """Rising then falling load: the count changes only at the ends of the band, never 2-1-2."""
+    current, history = 1, []
+    for rate in [300, 600, 900, 1200, 900, 700, 500, 300, 100]:
+        current = decide([load(rate=rate / current)] * current, current, CFG).replicas
+        history.append(current)
+    assert history == [1, 1, 2, 2, 2, 2, 1, 1, 1]
+
+
+def test_config_is_validated():
+    with pytest.raises(ValidationError, match="prefill_tokens_per_s"):
+        PrefillPolicyConfig()
+    with pytest.raises(ValidationError, match="hysteresis"):
+        PrefillPolicyConfig(prefill_tokens_per_s=1, target_utilization=0.5, downscale_utilization=0.6)
+    with pytest.raises(ValidationError, match="extra"):
+        PrefillAutoscalingPolicy(prefill_tokens_per_s=1, ttft_budget=2)
+
+
+def _context(metrics: dict[str, dict], replicas: list[ReplicaID], current: int, **config) -> AutoscalingContext:
+    deployment = replicas[0].deployment_id
+    config = {"upscale_delay_s": 0.0, "downscale_delay_s": 0.0, **config}
+    autoscaling = AutoscalingConfig(min_replicas=1, max_replicas=3, **config)
+    return AutoscalingContext(
+        deployment_id=deployment, deployment_name=deployment.name, app_name=deployment.app_name,
+        current_num_replicas=current, target_num_replicas=current, running_replicas=replicas,
+        total_num_requests=0, total_queued_requests=0, aggregated_metrics=metrics, raw_metrics=None,
+        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=3, policy_state={},
+        last_scale_up_time=None, last_scale_down_time=None, current_time=time.time(), config=autoscaling,
+    )
+
+
+def test_policy_reads_serves_aggregated_metrics():
+    deployment = DeploymentID(name="model-x", app_name="swiftkv")
+    r1, r2, r3 = (ReplicaID(f"r{i}", deployment) for i in (1, 2, 3))
+    busy, idle = load(waiting=5000).to_metrics(), load().to_metrics()
+    metrics = {name: {r1: busy[name], r2: idle[name]} for name in busy}
+    policy = PrefillAutoscalingPolicy(prefill_tokens_per_s=MU, ttft_budget_s=2.0)
+    # r3 runs but has not published yet: it counts as a replica, not as load.
+    replicas, state = policy(_context(metrics, [r1, r2, r3], 3))
+    assert replicas == 3 and state["backlog_tokens"] == 5000  # 2500 tok/s needed: three replicas
+    replicas, state = policy(_context(metrics, [r1, r2], 2))
+    assert replicas == 3 and "backlog" in state["last_reason"]
+
+
+def test_serves_wrapper_applies_its_delays():
+    """Serve wraps the policy with its own delay logic (bounds come later, from its state manager)."""
+    deployment = DeploymentID(name="model-x", app_name="swiftkv")
+    r1 = ReplicaID("r1", deployment)
+    busy = load(waiting=5000).to_metrics()
+    metrics = {name: {r1: value} for name, value in busy.items()}
+    wrapped = _apply_autoscaling_config(PrefillAutoscalingPolicy(prefill_tokens_per_s=MU))
+    assert wrapped(_context(metrics, [r1], 1))[0] == 3
+    # The same decision must hold for 30 s before Serve acts on it.
+    assert wrapped(_context(metrics, [r1], 1, upscale_delay_s=30.0))[0] == 1

@@ -1,0 +1,166 @@
+"""The prefill-aware request router as a pure function of replica load and of what it has sent, and
+Serve's ``RequestRouter`` around it on a fake replica list."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+from serve_apps.asgi import ForwardedRequest
+from serve_apps.hints import PromptHint, prompt_hint
+from serve_apps.load import ReplicaLoad
+from serve_apps.router import PrefillAwareRouter, PrefillRouterConfig, PrefillRouterCore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def waiting(tokens: float, at: float = 1000.0, capacity: float = 1000.0) -> ReplicaLoad:
+    return ReplicaLoad(prompt_tokens_waiting=tokens, prefill_capacity=capacity, timestamp=at)
+
+
+def ids_prompt(n: int, start: int = 0) -> PromptHint:
+    return prompt_hint({"prompt": list(range(start, start + n))})
+
+
+@pytest.fixture
+def core():
+    clock = Clock()
+    return PrefillRouterCore(PrefillRouterConfig(prefix_margin_s=1.0), clock), clock
+
+
+def test_idle_replica_beats_one_with_a_long_prompt_queued(core):
+    router, _ = core
+    assert router.rank([("busy", waiting(8000)), ("idle", waiting(0))], ids_prompt(50)) == ["idle", "busy"]
+
+
+def test_estimate_is_seconds_at_each_replicas_own_rate(core):
+    router, _ = core
+    # 3000 tokens at 6000 tok/s (0.5 s) beats 1000 tokens at 1000 tok/s (1 s).
+    ranked = router.rank([("slow", waiting(1000, capacity=1000)), ("fast", waiting(3000, capacity=6000))],
+                         ids_prompt(10))
+    assert ranked == ["fast", "slow"]
+
+
+def test_tokens_sent_since_the_figures_count(core):
+    """Figures are up to a stats period old: what the router sent since is added, so a burst is spread."""
+    router, clock = core
+    replicas = [("a", waiting(0, at=clock.now)), ("b", waiting(0, at=clock.now))]
+    clock.now += 0.1
+    first = router.rank(replicas, ids_prompt(2000))[0]
+    router.record_sent(first, ids_prompt(2000))
+    second = router.rank(replicas, ids_prompt(2000, start=5000))[0]
+    assert second != first
+    # Figures taken after the send already include it: the router stops adding it.
+    clock.now += 1.0
+    fresh = [(first, waiting(2000, at=clock.now)), (second, waiting(0, at=clock.now))]
+    assert router.estimate(first, fresh[0][1], ids_prompt(1), clock.now).ttft_s == pytest.approx(2.001)
+
+
+def test_forgets_sent_tokens_after_sent_memory(core):
+    router, clock = core
+    router.record_sent("a", ids_prompt(5000))
+    clock.now += 31.0  # sent_memory_s is 30 s and no newer figures came
+    assert router.estimate("a", waiting(0, at=0.0), ids_prompt(0), clock.now).ttft_s == 0.0
+
+
+def test_prefix_holder_is_preferred_within_the_margin(core):
+    router, _ = core
+    shared = list(range(640))  # ten 64-token blocks
+    router.record_sent("holder", prompt_hint({"prompt": shared}))
+    followup = prompt_hint({"prompt": shared + [7, 8, 9]})
+    # The holder is 0.5 s busier than the other, within the 1 s margin: keep the prefix there.
+    loads = [("other", waiting(0, at=2000.0)), ("holder", waiting(500 + 640, at=2000.0))]
+    estimate = router.estimate("holder", loads[1][1], followup, 2000.0)
+    assert estimate.cached_blocks == 10 and estimate.ttft_s == pytest.approx((1140 + 3) / 1000)
+    assert router.rank(loads, followup) == ["holder", "other"]
+
+
+def test_prefix_holder_is_left_when_its_estimate_exceeds_the_margin(core):
+    router, _ = core
+    shared = list(range(640))
+    router.record_sent("holder", prompt_hint({"prompt": shared}))
+    loads = [("other", waiting(0, at=2000.0)), ("holder", waiting(5000, at=2000.0))]
+    assert router.rank(loads, prompt_hint({"prompt": shared + [1]})) == ["other", "holder"]
+
+
+def test_chained_prefix_blocks_only_match_whole_prefixes(core):
+    router, _ = core
+    router.record_sent("a", prompt_hint({"prompt": list(range(128))}))
+    same_second_block = prompt_hint({"prompt": [99] * 64 + list(range(64, 128))})
+    assert router.estimate("a", waiting(0), same_second_block, 1000.0).cached_blocks == 0
+
+
+def test_prefix_memory_is_bounded_and_dead_replicas_forgotten():
+    router = PrefillRouterCore(PrefillRouterConfig(max_prefix_blocks=5), Clock())
+    router.record_sent("a", ids_prompt(64 * 8))
+    assert len(router._prefix_owner) == 5
+    router.record_sent("b", ids_prompt(64 * 2, start=10_000))
+    router.forget_replicas({"b"})
+    assert set(router._prefix_owner.values()) == {"b"} and "a" not in router._sent
+
+
+def test_chat_turns_share_prefix_blocks():
+    turn1 = [{"role": "system", "content": "You are terse. " * 40}, {"role": "user", "content": "Hi " * 100}]
+    turn2 = turn1 + [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "More " * 50}]
+    a, b = prompt_hint({"messages": turn1}), prompt_hint({"messages": turn2})
+    assert len(a.prefix_blocks) >= 3 and b.prefix_blocks[: len(a.prefix_blocks)] == a.prefix_blocks
+    assert b.prompt_tokens > a.prompt_tokens
+
+
+@dataclass
+class FakeReplica:
+    """What the router reads of Serve's ``RunningReplica``."""
+
+    replica_id: str
+    routing_stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class FakePending:
+    args: list
+    kwargs: dict = field(default_factory=dict)
+
+
+def _router(**kwargs) -> PrefillAwareRouter:
+    router = PrefillAwareRouter(deployment_id=DeploymentID(name="model-x", app_name="swiftkv"),
+                                handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(**kwargs)
+    return router
+
+
+def test_serve_router_returns_one_replica_per_rank_without_blocking():
+    router = _router(prefill_tokens_per_s=1000.0)
+    replicas = [FakeReplica("r1", waiting(9000).to_metrics()), FakeReplica("r2", waiting(100).to_metrics()),
+                FakeReplica("r3")]  # r3 has not reported yet: its own sends only
+    request = FakePending([ForwardedRequest("POST", "/v1/completions", hint=ids_prompt(500))])
+    coroutine = router.choose_replicas(replicas, request)
+    with pytest.raises(StopIteration) as done:  # finishes at its first step: nothing is awaited
+        coroutine.send(None)
+    ranks = done.value.value
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["r3"], ["r2"], ["r1"]]
+
+
+def test_serve_router_counts_routed_requests_and_reads_no_hint_safely():
+    router = _router()
+    replicas = [FakeReplica("r1", waiting(0, at=0.0).to_metrics()), FakeReplica("r2", waiting(0, at=0.0).to_metrics())]
+    request = FakePending([ForwardedRequest("POST", "/v1/completions", hint=ids_prompt(3000))])
+    first = asyncio.run(router.choose_replicas(replicas, request))[0][0]
+    router.on_request_routed(request, first.replica_id, None)
+    other = FakePending([ForwardedRequest("POST", "/v1/completions", hint=ids_prompt(3000, start=9000))])
+    second = asyncio.run(router.choose_replicas(replicas, other))[0][0]
+    assert second.replica_id != first.replica_id
+    assert len(asyncio.run(router.choose_replicas(replicas, None))) == 2  # no request: still a ranking
+
+
+def test_router_kwargs_are_validated():
+    with pytest.raises(ValueError, match="prefix_margin"):
+        _router(prefix_margin=3)
