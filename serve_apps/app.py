@@ -81,6 +81,9 @@ def model_deployment(options: ModelOptions) -> Application:
         request_router_config=request_router_config(options),
         # vLLM engines take a while to load and compile; Serve must not give up on them early.
         health_check_timeout_s=60,
+        # A replica that cannot start (a bad path, an engine option vLLM rejects) fails the same way
+        # each time: report it after a retry instead of Serve's default 20 attempts.
+        max_constructor_retry_count=2,
     ).bind(options)
 
 
@@ -88,4 +91,7 @@ def build_app(args: dict[str, Any]) -> Application:
     """Build the application from a Serve config's ``args`` (validated as :class:`AppConfig`)."""
     config = args if isinstance(args, AppConfig) else parse_config(AppConfig, dict(args), what="serve_apps config")
     models = {m.name: model_deployment(m) for m in config.models}
-    return OpenAIIngress.options(num_replicas=config.ingress_replicas).bind(config, models)
+    # The ingress relays every stream: it must drain at least as long as the slowest model does.
+    drain_s = max(m.graceful_shutdown_timeout_s for m in config.models) + 5
+    return OpenAIIngress.options(num_replicas=config.ingress_replicas,
+                                 graceful_shutdown_timeout_s=drain_s).bind(config, models)

@@ -68,8 +68,7 @@ def cpu_model_template() -> dict[str, Any]:
 
     if torch.cuda.is_available():
         return {"num_gpus": 1}
-    return {"env": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-            "engine_kwargs": {"max_model_len": 8192}}
+    return {"env": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
 
 
 def _become_subreaper() -> None:
@@ -114,6 +113,10 @@ def _install_signal_handlers() -> None:
 
 def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None, metrics_port: int) -> int:
     """Run until SIGTERM/Ctrl-C; return the exit code."""
+    from swiftkv.model_source import resolve_model
+
+    for model in config.models:  # a bad reference is one clear error before anything starts
+        resolve_model(model.model)
     _become_subreaper()
     _install_signal_handlers()
     started = False
@@ -131,7 +134,11 @@ def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None,
         names = ", ".join(m.name for m in config.models)
         print(f"swiftkv serve: starting {names} (first start loads and warms up each engine)", flush=True)
         t0 = time.monotonic()
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        try:
+            serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError as err:  # a deployment failed to start: Serve's message says which and why
+            print(f"swiftkv serve: error: the application failed to start: {err}", file=sys.stderr, flush=True)
+            return 1
         print(f"swiftkv serve: ready in {time.monotonic() - t0:.0f} s at http://{host}:{port}/v1 "
               f"(models: {names}; health: http://{host}:{port}/health; "
               f"Prometheus metrics: http://127.0.0.1:{metrics_port}/metrics)", flush=True)
@@ -145,7 +152,11 @@ def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None,
             from ray import serve
 
             try:
-                serve.shutdown()  # each deployment drains within its graceful_shutdown_timeout_s
+                # Deleting the application drains it: its replicas stop taking requests and finish the
+                # ones in flight (within graceful_shutdown_timeout_s) while the proxy still relays them.
+                # serve.shutdown() alone would stop the proxy first and cut open streams.
+                serve.delete(APP_NAME)
+                serve.shutdown()
             finally:
                 ray.shutdown()
         left = stop_leftovers()

@@ -1,0 +1,103 @@
+"""Routing and reliability on a real local Serve: two replicas of the bundled SmolLM2-135M (real
+prefill cost on CPU). The prefill-aware router prefers an idle replica over one with a long prompt
+queued, and a replica killed by its pid under a bounded load is replaced by Serve while the other
+keeps answering, every request ending answered or refused with a status."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import openai
+import psutil
+import pytest
+
+from serve_apps.app import deployment_name
+from tests.serve_cluster import APP, CPU_ENV, local_serve, replica_states, wait_for
+from tests.test_vllm_serving import prompt
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    config = {"models": [{
+        "name": "routed", "model": "bundled", "env": CPU_ENV, "prefill_tokens_per_s": 1000,
+        "engine_kwargs": {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 4096,
+                          "enable_prefix_caching": False},
+        "graceful_shutdown_timeout_s": 10,
+        "autoscaling": {"min_replicas": 2, "max_replicas": 2}, "routing": {"stats_period_s": 0.5},
+    }]}
+    with local_serve(config) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def client(endpoint):
+    return openai.OpenAI(base_url=endpoint.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+def _start_stream(client, model: str, ids: list[int], max_tokens: int):
+    """Open a streaming completion; return (serving replica, stream) once the response has started."""
+    raw = client.completions.with_raw_response.create(model=model, prompt=ids, max_tokens=max_tokens, stream=True,
+                                                      temperature=0.0, extra_body={"ignore_eos": True})
+    return raw.headers["x-swiftkv-replica"], raw.parse()
+
+
+def test_router_prefers_the_idle_replica_over_one_with_a_long_prompt_queued(client):
+    long_replica, long_stream = _start_stream(client, "routed", prompt(3500, seed=1), 2)
+    # Two short requests with long outputs: they go to the other replica and keep it busy decoding.
+    busy = [_start_stream(client, "routed", prompt(16, seed=2 + i), 48) for i in range(2)]
+    assert long_replica not in {r for r, _ in busy}
+    # Serve's power-of-two router would now pick the long prompt's replica (1 request in flight
+    # against 2); the prefill-aware router sees 3,500 tokens waiting there and picks the other.
+    started = time.monotonic()
+    short_replica, short_stream = _start_stream(client, "routed", prompt(16, seed=9), 2)
+    first = next(iter(short_stream))
+    short_ttft = time.monotonic() - started
+    long_done = [c for c in long_stream]
+    long_elapsed = time.monotonic() - started
+    for _, stream in busy:
+        list(stream)
+    assert short_replica != long_replica and first.choices[0].text is not None
+    assert long_done and short_ttft < long_elapsed
+
+
+def _replica_pids(deployment: str) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if f"ServeReplica:{APP}:{deployment}" in " ".join(p.info["cmdline"] or [])
+            and ".initialize" not in " ".join(p.info["cmdline"] or [])]
+
+
+def test_killed_replica_is_replaced_while_the_other_keeps_answering(client):
+    deployment = deployment_name("routed")
+    assert replica_states(deployment).get("RUNNING") == 2
+    outcomes: list[tuple[float, str]] = []  # (finish time, "ok" or the HTTP status of the refusal)
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            result = client.completions.create(model="routed", prompt=prompt(200, seed=100 + i), max_tokens=24,
+                                               temperature=0.0, extra_body={"ignore_eos": True}, timeout=90)
+            outcome = "ok" if result.usage.completion_tokens == 24 else "short"
+        except openai.APIStatusError as err:
+            outcome = f"HTTP {err.status_code}"
+        with lock:
+            outcomes.append((time.monotonic(), outcome))
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, i) for i in range(24)]
+        wait_for(lambda: len(outcomes) >= 4, 120, "the first answers")
+        victim = _replica_pids(deployment)[0]
+        killed_at = time.monotonic()
+        psutil.Process(victim).kill()
+        done, pending = wait(futures, timeout=300)
+    assert not pending, "requests hung past their timeout"
+    kinds = [kind for _, kind in outcomes]
+    # Every request ended answered or refused with a status (never a hang or a dropped connection)...
+    assert all(kind == "ok" or kind.startswith("HTTP 5") for kind in kinds), kinds
+    # ...and the surviving replica kept answering after the kill.
+    assert sum(1 for t, kind in outcomes if t > killed_at and kind == "ok") >= 4, outcomes
+    wait_for(lambda: replica_states(deployment).get("RUNNING") == 2 and victim not in _replica_pids(deployment),
+             240, "Serve to replace the killed replica")
+    assert client.completions.create(model="routed", prompt="again", max_tokens=2).usage.completion_tokens == 2
+
