@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 import sys
 
-import fsspec
-
+from swiftkv.outputs import write_files
 from swiftkv.vllm.benchmark import ServingBenchConfig, format_report, plot_png, run_benchmark
 from swiftkv.yaml_config import job_main
 
@@ -31,15 +30,8 @@ def run(cfg: ServingBenchConfig) -> dict:
     )
     result = ray.get(task.remote(cfg))
     report = format_report(result)
-    fs, root = fsspec.core.url_to_fs(cfg.out)
-    fs.makedirs(root, exist_ok=True)
-    fs.pipe(
-        {
-            f"{root}/results.json": json.dumps(result, indent=2).encode(),
-            f"{root}/report.txt": report.encode() + b"\n",
-            f"{root}/throughput_ratio.png": plot_png(result),
-        }
-    )
+    write_files(cfg.out, {"results.json": json.dumps(result, indent=2).encode(),
+                          "report.txt": report.encode() + b"\n", "throughput_ratio.png": plot_png(result)})
     print(report)
     print(f"\nwrote results.json, report.txt and throughput_ratio.png to {cfg.out}")
     return result

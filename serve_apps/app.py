@@ -93,5 +93,5 @@ def build_app(args: dict[str, Any]) -> Application:
     models = {m.name: model_deployment(m) for m in config.models}
     # The ingress relays every stream: it must drain at least as long as the slowest model does.
     drain_s = max(m.graceful_shutdown_timeout_s for m in config.models) + 5
-    return OpenAIIngress.options(num_replicas=config.ingress_replicas,
-                                 graceful_shutdown_timeout_s=drain_s).bind(config, models)
+    return OpenAIIngress.options(num_replicas=config.ingress_replicas, graceful_shutdown_timeout_s=drain_s,
+                                 ray_actor_options={"num_cpus": config.ingress_num_cpus}).bind(config, models)

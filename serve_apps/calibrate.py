@@ -2,7 +2,8 @@
 
 For every model of a serve config, one Ray task with that model's replica resources (CPUs, GPUs,
 environment) starts a vLLM engine configured as the replica's (same ``engine_kwargs``, SwiftKV
-prefill skipping as configured, prefix caching off so every prompt token is computed) and measures:
+prefill skipping as configured, prefix caching off so every prompt token is computed; engine core
+and workers in their own processes, as in a replica) and measures:
 
 - prefill throughput, uncached prompt tokens/s, at each input length: ``num_prompts`` random
   prompts submitted at once with one output token each (the median of ``rounds``). The figure at
@@ -38,21 +39,27 @@ def _hardware() -> str:
 def measure_replica(options: ModelOptions, input_lens: list[int], batches: list[int], num_prompts: int,
                     rounds: int, decode_tokens: int = 32) -> dict[str, Any]:
     """Run on the replica's kind of node: start the engine, measure, return the figures."""
-    import torch
-
-    if not torch.cuda.is_available():  # in-process CPU engine: no second process competing for cores
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
     from swiftkv.model_source import resolve_model
-    from swiftkv.vllm.benchmark import PromptMaker, offline_throughput
+    from swiftkv.vllm.lifecycle import shutdown_llm
 
     engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
     kwargs = {k: v for k, v in options.engine_kwargs.items() if k in engine_fields}
     kwargs.update(enable_prefix_caching=False,
                   additional_config={"swiftkv": {"prefill_skipping": options.prefill_skipping}})
     llm = LLM(model=resolve_model(options.model), **kwargs)
+    try:
+        return _measure(llm, options, input_lens, batches, num_prompts, rounds, decode_tokens)
+    finally:  # stop the engine-core process now: the Ray worker that ran this task may live on
+        shutdown_llm(llm)
+
+
+def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[int], num_prompts: int,
+             rounds: int, decode_tokens: int) -> dict[str, Any]:
+    from swiftkv.vllm.benchmark import PromptMaker, offline_throughput
+
     context = llm.llm_engine.vllm_config.model_config.max_model_len
     lens = sorted({min(n, context - decode_tokens - 2) for n in input_lens})
     prompts = PromptMaker(vocab=min(32000, llm.llm_engine.vllm_config.model_config.get_vocab_size()), seed=1)

@@ -179,6 +179,9 @@ class AppConfig(StrictConfig):
     ingress_replicas: int = Field(default=1, gt=0)
     """Replicas of the ingress (light: JSON parsing and forwarding)."""
 
+    ingress_num_cpus: float = Field(default=0.5, ge=0)
+    """Logical CPUs each ingress replica reserves."""
+
     @model_validator(mode="after")
     def _unique_names(self) -> AppConfig:
         names = [m.name for m in self.models]

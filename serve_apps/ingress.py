@@ -28,7 +28,6 @@ from serve_apps.hints import prompt_hint
 
 log = logging.getLogger("ray.serve")
 
-FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions")
 HEALTH_TIMEOUT_S = 10.0
 # Headers a replica's response must not carry through: the ingress frames the body itself.
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "date", "server"}
@@ -144,15 +143,16 @@ class OpenAIIngress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self._forward_openai(request)
+        return await self._forward_openai(request, "/v1/chat/completions")
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self._forward_openai(request)
+        return await self._forward_openai(request, "/v1/completions")
 
     # --- forwarding -----------------------------------------------------------------------
 
-    async def _forward_openai(self, request: Request) -> Response:
+    async def _forward_openai(self, request: Request, path: str) -> Response:
+        """Forward to vLLM's route ``path`` (the app may sit under any Serve route prefix)."""
         if denied := self._unauthorized(request):
             return denied
         body = await self._read_body(request)
@@ -168,7 +168,7 @@ class OpenAIIngress:
         if isinstance(name, Response):
             return name
         forwarded = ForwardedRequest(
-            method="POST", path=request.url.path, body=body, query_string=request.url.query.encode(),
+            method="POST", path=path, body=body, query_string=request.url.query.encode(),
             headers=[(k, v) for k, v in request.headers.items() if k.lower() not in ("authorization", "host")],
             hint=prompt_hint(payload),
         )

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import yaml
 
 from serve_apps.config import AppConfig
-from swiftkv.yaml_config import parse_config
+from swiftkv.yaml_config import parse_config, read_yaml_mapping
 
 log = logging.getLogger("swiftkv.serve")
 
@@ -37,12 +36,7 @@ def read_app_config(path: str | Path | None, models: list[str], overrides: list[
     the file's first model entry, or the CPU defaults, as its template) and ``--set`` overrides."""
     tree: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        tree = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ValueError(f"{path}: the config must be a YAML mapping")
+        tree = read_yaml_mapping(path)
         if "applications" in tree:
             apps = [a for a in tree["applications"] or [] if a.get("import_path") == IMPORT_PATH]
             if not apps:
@@ -113,10 +107,11 @@ def _install_signal_handlers() -> None:
 
 def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None, metrics_port: int) -> int:
     """Run until SIGTERM/Ctrl-C; return the exit code."""
+    from serve_apps.model_server import vllm_server_args
     from swiftkv.model_source import resolve_model
 
-    for model in config.models:  # a bad reference is one clear error before anything starts
-        resolve_model(model.model)
+    for model in config.models:  # a bad reference or engine option is one clear error before anything starts
+        vllm_server_args(model, resolve_model(model.model))
     _become_subreaper()
     _install_signal_handlers()
     started = False

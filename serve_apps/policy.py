@@ -134,13 +134,18 @@ class PrefillAutoscalingPolicy:
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         loads = loads_from_metrics(ctx.aggregated_metrics, list(ctx.running_replicas))
         decision = decide(loads, ctx.current_num_replicas, self.config)
+        target = min(max(decision.replicas, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
+        reason = decision.reason
+        if target != decision.replicas:
+            reason = f"{reason} (wants {decision.replicas}; bounds {ctx.capacity_adjusted_min_replicas}-" \
+                     f"{ctx.capacity_adjusted_max_replicas} give {target})"
         state = dict(ctx.policy_state or {})
-        # Log a new wish once, not every 0.1 s tick it persists.
-        wish = decision.replicas if decision.replicas != ctx.current_num_replicas else None
+        # Log a change of target once, not every 0.1 s tick it persists.
+        wish = target if target != ctx.current_num_replicas else None
         if wish is not None and state.get("logged_wish") != wish:
             log.info("swiftkv autoscaling %s: %s (demand %.0f tok/s, backlog %.0f tok, KV %.0f%%)",
-                     ctx.deployment_name, decision.reason, decision.demand_tokens_per_s,
+                     ctx.deployment_name, reason, decision.demand_tokens_per_s,
                      decision.backlog_tokens, 100 * decision.kv_cache_usage)
-        state.update(logged_wish=wish, last_reason=decision.reason, demand_tokens_per_s=decision.demand_tokens_per_s,
+        state.update(logged_wish=wish, last_reason=reason, demand_tokens_per_s=decision.demand_tokens_per_s,
                      backlog_tokens=decision.backlog_tokens, kv_cache_usage=decision.kv_cache_usage)
-        return decision.replicas, state
+        return target, state

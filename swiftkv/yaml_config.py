@@ -68,15 +68,20 @@ def parse_config(model: type[M], tree: dict[str, Any], overrides: list[str] = ()
         raise ValueError(_explain(err, what)) from None
 
 
-def load_config(model: type[M], path: str | Path, overrides: list[str] = (), what: str = "config") -> M:
-    """Read a YAML file, apply ``--set`` overrides and validate it as ``model``."""
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's top-level mapping (an empty file is an empty mapping)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     tree = yaml.safe_load(path.read_text()) or {}
     if not isinstance(tree, dict):
         raise ValueError(f"{path}: the config must be a YAML mapping")
-    return parse_config(model, tree, overrides, what)
+    return tree
+
+
+def load_config(model: type[M], path: str | Path, overrides: list[str] = (), what: str = "config") -> M:
+    """Read a YAML file, apply ``--set`` overrides and validate it as ``model``."""
+    return parse_config(model, read_yaml_mapping(path), overrides, what)
 
 
 def job_main(

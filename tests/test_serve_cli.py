@@ -87,8 +87,41 @@ def test_serve_prints_its_url_drains_on_sigterm_and_leaves_nothing(tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     ([], "no model to serve"),
     (["--config", "nope.yaml"], "config file not found: nope.yaml"),
+    (["--model", "m=/nonexistent/model"], "model folder /nonexistent/model does not exist"),
+    (["--model", "m=bundled", "--set", "models.0.engine_kwargs.max_model_lenn=512"], "max_model_lenn"),
     (["--model", "m=bundled", "--set", "models.0.autoscaling.max_replicas=0"], "max_replicas"),
 ])
-def test_bad_serve_arguments_are_one_line(args, message):
-    out = subprocess.run([SWIFTKV, "serve", *args], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+def test_bad_serve_arguments_are_one_line(args, message, capsys):
+    """Checked before anything starts (in-process: the installed command is the test above's)."""
+    import ray
+
+    from swiftkv.cli import main
+
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not ray.is_initialized()
+
+
+def test_a_deployment_that_cannot_start_is_an_error_naming_it(tmp_path):
+    """An engine vLLM refuses inside the replica (max_model_len over the model's 1,024 positions)
+    fails the start after Serve's retry: exit 1, the deployment and vLLM's reason named, nothing left."""
+    model = tiny_swiftkv_model("llama", num_hidden_layers=4, num_key_value_layers=2, hidden_size=128)
+    model.save_pretrained(tmp_path / "model")
+    copy_bundled_tokenizer(tmp_path / "model")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
+    proc = subprocess.Popen(
+        [SWIFTKV, "serve", "--model", f"tiny={tmp_path / 'model'}", "--port", str(free_port()),
+         "--metrics-port", str(free_port()), "--num-cpus", "4",
+         "--set", "models.0.engine_kwargs={dtype: float32, enforce_eager: true, max_model_len: 100000}",
+         "--set", "models.0.env={VLLM_CPU_KVCACHE_SPACE: '1', VLLM_CPU_NUM_OF_RESERVED_CPU: '0'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        out, _ = proc.communicate(timeout=STARTUP_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out[-3000:]
+    assert "swiftkv serve: error: the application failed to start" in out and "model-tiny" in out
+    assert "max_model_len" in out and "swiftkv serve: stopped" in out

@@ -137,7 +137,8 @@ def test_read_app_config_from_a_serve_config_file_with_models_and_overrides(tmp_
     assert config.models[1].autoscaling.max_replicas == 3
     replaced = read_app_config(REPO / "serve_apps" / "smollm2-cpu.yaml", ["a=/x/a", "/y/b/"], [])
     assert [(m.name, m.model) for m in replaced.models] == [("a", "/x/a"), ("b", "/y/b/")]
-    assert replaced.models[1].engine_kwargs == {"dtype": "bfloat16", "max_model_len": 8192}  # the file's first entry
+    # The second model keeps the file's first entry's settings.
+    assert replaced.models[1].engine_kwargs == {"dtype": "float32", "enforce_eager": True, "max_model_len": 8192}
     other = tmp_path / "other.yaml"
     other.write_text("applications:\n- name: x\n  import_path: some.other:app\n")
     with pytest.raises(ValueError, match="no application with import_path serve_apps.app:build_app"):

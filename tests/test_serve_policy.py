@@ -114,6 +114,10 @@ def test_policy_reads_serves_aggregated_metrics():
     assert replicas == 3 and state["backlog_tokens"] == 5000  # 2500 tok/s needed: three replicas
     replicas, state = policy(_context(metrics, [r1, r2], 2))
     assert replicas == 3 and "backlog" in state["last_reason"]
+    # A wish beyond max_replicas is capped here, and the reason says so.
+    flood = load(waiting=50_000).to_metrics()
+    replicas, state = policy(_context({name: {r1: flood[name]} for name in flood}, [r1], 1))
+    assert replicas == 3 and "wants 25; bounds 1-3 give 3" in state["last_reason"]
 
 
 def test_serves_wrapper_applies_its_delays():

@@ -22,7 +22,7 @@ from tests.test_vllm_serving import prompt
 def endpoint():
     config = {"models": [{
         "name": "routed", "model": "bundled", "env": CPU_ENV, "prefill_tokens_per_s": 1000,
-        "engine_kwargs": {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 4096,
+        "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096,
                           "enable_prefix_caching": False},
         "graceful_shutdown_timeout_s": 10,
         "autoscaling": {"min_replicas": 2, "max_replicas": 2}, "routing": {"stats_period_s": 0.5},

@@ -154,7 +154,10 @@ def test_bundled_model_cli_run(tmp_path, capsys):
     [
         (["bundled", "--data", "nowhere.jsonl"], "data file nowhere.jsonl does not exist"),
         (["./missing-model", "--num-samples", "2"], "model folder ./missing-model does not exist"),
-        (["missing-model", "--num-samples", "2"], "model 'missing-model' is not a local folder, 'bundled', a remote"),
+        (
+            ["missing-model", "--num-samples", "2"],
+            "model 'missing-model' is not a local folder, 'bundled', 'bundled-swiftkv', a remote",
+        ),
         (["bundled", "--num-samples", "0"], "num_samples must be >= 1"),
         (["bundled", "--max-len", "1"], "max_len must be >= 2"),
     ],

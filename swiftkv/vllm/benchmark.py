@@ -30,6 +30,7 @@ import torch
 from pydantic import Field, model_validator
 from tqdm import tqdm
 
+from swiftkv.outputs import figure_png
 from swiftkv.yaml_config import StrictConfig
 
 log = logging.getLogger(__name__)
@@ -350,7 +351,6 @@ def format_report(result: dict) -> str:
 
 def plot_png(result: dict) -> bytes:
     """Bars of every cell's throughput ratio to the base, as PNG bytes."""
-    import io
 
     import matplotlib
 
@@ -368,11 +368,7 @@ def plot_png(result: dict) -> bytes:
     ax.set_ylabel("throughput / base")
     ax.set_title(f"vLLM throughput vs base: {Path(result['config']['model']).name}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png(fig)
 
 
 def run_benchmark(cfg: ServingBenchConfig) -> dict:
