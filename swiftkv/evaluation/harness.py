@@ -1,0 +1,84 @@
+"""One evaluation: one model on one task with lm-eval, on the configured backend (run as a Ray task
+by ``ray_jobs/evaluate.py``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from swiftkv.evaluation.config import EvalConfig, TaskSpec
+
+log = logging.getLogger(__name__)
+
+
+def build_lm(path: str, cfg: EvalConfig, generative: bool):
+    """lm-eval's model object for ``path``: ``HFLM`` on our HF classes (a full forward gives every
+    position's logits; ``generate`` skips the prefill), or vLLM with our plugin."""
+    if cfg.backend == "vllm":
+        from swiftkv.evaluation.vllm_backend import vllm_lm
+
+        return vllm_lm(path, cfg.dtype, cfg.max_length, prefill_skipping=generative, seed=cfg.seed,
+                       **cfg.vllm_kwargs)
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import swiftkv.modeling  # noqa: F401  (registers the SwiftKV classes with transformers' Auto classes)
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype))
+    return HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(path), batch_size=cfg.batch_size,
+                max_length=cfg.max_length)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def extract_score(results: dict[str, Any], spec: TaskSpec) -> dict[str, Any]:
+    """``{"score", "stderr", "n"}`` of ``spec``'s metric from ``simple_evaluate``'s results (a group's
+    score is lm-eval's own aggregate over its subtasks; ``n`` counts every document scored)."""
+    row = results["results"][spec.task]
+    key = f"{spec.metric},{spec.filter}"
+    if key not in row:
+        reported = sorted(k for k in row if "," in k and "_stderr" not in k)
+        raise ValueError(f"lm-eval reported no {key!r} for {spec.task} (it reported {reported})")
+    n = sum(int(v["effective"]) for v in results["n-samples"].values())
+    return {"score": _number(row[key]), "stderr": _number(row.get(f"{spec.metric}_stderr,{spec.filter}")), "n": n}
+
+
+def evaluate_one(model_ref: str, spec: TaskSpec, cfg: EvalConfig) -> dict[str, Any]:
+    """Evaluate one model on one task; a task with no offline copy is reported unavailable."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from swiftkv.evaluation.offline_data import offline_available, offline_task_manager
+    from swiftkv.model_source import resolve_model
+    from swiftkv.vllm.lifecycle import shutdown_llm
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="swiftkv-lm-eval-tasks-") as overrides:
+        if cfg.data == "offline":
+            manager, offline = offline_task_manager(Path(overrides))
+            if not offline_available(spec.task, offline):
+                return {"unavailable": f"no offline copy of {spec.task} here (data: hub needs the dataset hub)"}
+        else:
+            manager = TaskManager()
+        lm = build_lm(resolve_model(model_ref), cfg, spec.generative)
+        gen_kwargs = {"max_gen_toks": cfg.max_gen_toks} if spec.generative and cfg.max_gen_toks else None
+        log.info("lm-eval: %s on %s (%d-shot, %s backend, limit %s)", model_ref, spec.task, spec.num_fewshot,
+                 cfg.backend, cfg.limit)
+        try:
+            results = simple_evaluate(
+                model=lm, tasks=[spec.task], num_fewshot=spec.num_fewshot, limit=cfg.limit, task_manager=manager,
+                apply_chat_template=cfg.apply_chat_template, fewshot_as_multiturn=cfg.apply_chat_template,
+                gen_kwargs=gen_kwargs, log_samples=False, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
+                torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed, bootstrap_iters=1000,
+            )
+        finally:
+            if cfg.backend == "vllm":  # stop the engine-core process: the Ray worker may live on
+                shutdown_llm(lm.model)
+    return {**extract_score(results, spec), "seconds": round(time.monotonic() - started, 1)}
