@@ -24,6 +24,7 @@ import fsspec
 
 from swiftkv.evaluation.config import EvalConfig, TaskSpec
 from swiftkv.evaluation.report import format_table
+from swiftkv.model_source import checkpoint_stamp
 from swiftkv.outputs import write_files
 from swiftkv.yaml_config import job_main
 
@@ -31,15 +32,21 @@ log = logging.getLogger("ray_jobs.evaluate")
 
 
 def part_key(cfg: EvalConfig, model: str, spec: TaskSpec) -> str:
-    """What a saved part depends on: a rerun reuses it only if all of this is unchanged."""
+    """What a saved part depends on: a rerun reuses it only if all of this is unchanged (the
+    checkpoint's contents included: one saved again at the same path is evaluated again)."""
     settings = cfg.model_dump(include={"backend", "data", "limit", "apply_chat_template", "dtype", "max_length",
                                        "max_gen_toks", "seed", "vllm_kwargs"})
-    blob = json.dumps({"model": cfg.models[model], "task": spec.model_dump(), **settings}, sort_keys=True)
+    blob = json.dumps({"model": checkpoint_stamp(cfg.models[model]), "task": spec.model_dump(), **settings},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+
+
 def _part_path(root: str, model: str, spec: TaskSpec) -> str:
-    return f"{root}/parts/{re.sub(r'[^A-Za-z0-9._-]+', '-', model)}__{re.sub(r'[^A-Za-z0-9._-]+', '-', spec.name)}.json"
+    return f"{root}/parts/{_slug(model)}__{_slug(spec.name)}.json"
 
 
 def run(cfg: EvalConfig) -> dict[str, Any]:

