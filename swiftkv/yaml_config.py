@@ -61,7 +61,11 @@ def parse_config(model: type[M], tree: dict[str, Any], overrides: list[str] = ()
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set expects key=value, got {item!r}")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            raise ValueError(f"--set {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
+        _set_dotted(tree, key.strip(), value)
     try:
         return model.model_validate(tree)
     except ValidationError as err:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -13,17 +12,13 @@ from pathlib import Path
 
 import psutil
 
+from serve_apps.subprocess_server import free_port
+
 CACHE = Path(__file__).resolve().parents[1] / ".cache"
 APP = "swiftkv"
 
 # Replica environment for tiny CPU engines: a small KV cache, both cores, caches inside the repo.
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -14,7 +14,7 @@ import pytest
 
 from swiftkv.bundled import copy_bundled_tokenizer
 from swiftkv.evaluation import offline_data
-from swiftkv.evaluation.config import PAPER_TASKS, EvalConfig
+from swiftkv.evaluation.config import PAPER_TASKS, EvalConfig, MultiTurnConfig, NeedleConfig
 from tests.serve_cluster import engine_processes
 from tests.tiny import tiny_swiftkv_model
 
@@ -94,7 +94,11 @@ def test_evaluation_job_runs_the_papers_tasks_and_writes_the_table(tiny, tmp_pat
 
     names = {"ARC-Challenge", "TruthfulQA mc2", "GSM8K-CoT"}  # a log-likelihood, an unavailable, a generative task
     cfg = EvalConfig(models={"a": str(tiny), "b": str(tiny)}, tasks=[t for t in PAPER_TASKS if t.name in names],
-                     limit=2, max_gen_toks=4, max_length=1024, out=str(tmp_path / "eval"))
+                     limit=2, max_gen_toks=4, max_length=1024, out=str(tmp_path / "eval"),
+                     needle=NeedleConfig(lengths=[256, 4096], depths=[0.0, 1.0], samples=1),
+                     multiturn=MultiTurnConfig(chitchat_conversations=2, max_turns=3, mtbench_questions=2,
+                                               history_tokens=8, greedy_tokens=4, recall_gaps=[0, 3],
+                                               recall_samples=2))
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
@@ -107,18 +111,30 @@ def test_evaluation_job_runs_the_papers_tasks_and_writes_the_table(tiny, tmp_pat
                 part = quality[name][model]
                 assert 0.0 <= part["score"] <= 1.0 and part["n"] == 2, part
             assert quality[name]["a"]["score"] == quality[name]["b"]["score"]  # the same weights
+        for model in ("a", "b"):
+            # The tiny model has 1,024 positions: 4,096 is cut to fit with room for the answer.
+            cells = results["long_context"][model]["cells"]
+            assert [(c["length"], c["depth"], c["n"]) for c in cells] == [
+                (256, 0.0, 1), (256, 1.0, 1), (1012, 0.0, 1), (1012, 1.0, 1)]
+            turns = results["multi_turn"][model]
+            assert turns["recall"]["gaps"] == [0, 3] and all(0 <= a <= 1 for a in turns["recall"]["accuracy"])
+            for data, n_turns in (("chitchat", 3), ("mtbench", 2)):
+                assert turns[data]["n"] == 2 and len(turns[data]["kl"]) == n_turns
+                assert all(kl > 0 for kl in turns[data]["kl"]) and all(t > 0 for t in turns[data]["tokens"])
         report = (tmp_path / "eval/report.md").read_text()
         assert "| ARC-Challenge (0-shot, acc_norm) |" in report and "unavailable" in report and "**average**" in report
+        assert "Needle retrieval by prompt length" in report and "Recall of a fact" in report
+        for plot in ("quality.png", "needle.png", "multiturn.png"):
+            assert (tmp_path / "eval" / plot).read_bytes().startswith(b"\x89PNG")
         # A rerun with the same settings reuses every saved part and runs nothing.
         parts = sorted(p.name for p in (tmp_path / "eval/parts").iterdir())
-        assert len(parts) == 4  # scored runs only: the unavailable one is asked again next time
+        assert len(parts) == 8  # scored runs and probes: the unavailable one is asked again next time
         again = run(cfg)
         assert again["quality"] == quality
         # A checkpoint saved again at the same path is not the one those parts scored.
-        spec = cfg.tasks[0]
-        before = part_key(cfg, "b", spec)
+        before = part_key(cfg, "b", cfg.tasks[0].name)
         (tiny / "config.json").write_text((tiny / "config.json").read_text())
-        assert part_key(cfg, "b", spec) != before
+        assert part_key(cfg, "b", cfg.tasks[0].name) != before
     finally:
         ray.shutdown()
 
@@ -144,3 +160,49 @@ def test_hf_and_vllm_give_lm_eval_the_same_loglikelihoods(tiny, monkeypatch):
     for (hf_lp, hf_greedy), (v_lp, v_greedy) in zip(hf, vllm, strict=True):
         assert abs(hf_lp - v_lp) < 1e-3 * max(1.0, abs(hf_lp)) and hf_greedy == v_greedy, (hf, vllm)
     assert not engine_processes()
+
+
+def test_needle_prompts_have_the_asked_length_and_depth():
+    import random
+
+    from transformers import AutoTokenizer
+
+    from swiftkv.bundled import ensure_bundled_model
+    from swiftkv.evaluation.needle import NeedlePrompts, filler_text
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_bundled_model())
+    for filler in ("essays", "squad"):
+        prompts = NeedlePrompts(tokenizer, filler_text(filler), 2048)
+        for length in (300, 2048):
+            texts = {}
+            for depth in (0.0, 0.5, 1.0):
+                ids = prompts.build(length, depth, "harbor", "1234567", random.Random(0))
+                assert len(ids) == length
+                texts[depth] = tokenizer.decode(ids)
+                assert texts[depth].count("The special magic number for harbor is 1234567.") == 1
+            # Where the needle sits between the filler's start and end.
+            def position(t: str) -> float:
+                start, end = t.index("afterwards."), t.index("What is the special")
+                return (t.index("is 1234567.") - start) / (end - start)
+
+            where = {d: position(t) for d, t in texts.items()}
+            assert where[0.0] < 0.1 and 0.35 < where[0.5] < 0.65 and where[1.0] > 0.9, where
+            # The reply is started for the model: the prompt ends inside the assistant turn.
+            assert texts[0.5].endswith("The special magic number for harbor is")
+
+
+def test_turn_tokens_mark_each_assistant_turn():
+    from transformers import AutoTokenizer
+
+    from swiftkv.bundled import ensure_bundled_model
+    from swiftkv.evaluation.multiturn import chitchat_with_turns, mtbench_questions, turn_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_bundled_model())
+    (chat,) = chitchat_with_turns(1, 3)
+    assert [m["role"] for m in chat] == ["user", "assistant"] * 3
+    ids, turn_of = turn_tokens(tokenizer, chat)
+    for k in (1, 2, 3):
+        # Position t predicts token t + 1: the tokens predicted in turn k are the k-th reply and its end marker.
+        predicted = [ids[t + 1] for t, turn in enumerate(turn_of) if turn == k]
+        assert tokenizer.decode(predicted).strip().startswith(chat[2 * k - 1]["content"].strip())
+    assert len(mtbench_questions(80)) == 80 and all(len(q) == 2 for q in mtbench_questions(80))

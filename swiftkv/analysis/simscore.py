@@ -94,18 +94,13 @@ def load_conversations(data: str | Path, num_samples: int) -> list[Messages]:
 def load_model(model: str | Path):
     """Model and tokenizer in float32, for any model reference (``swiftkv.model_source``). SwiftKV
     checkpoints run as their teacher, so every token passes every layer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import swiftkv  # noqa: F401  (registers the SwiftKV model types)
+    from swiftkv.inference import as_student, load_chat_model
 
     path = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    lm, tokenizer = load_chat_model(path)
     if not tokenizer.chat_template:
         raise ValueError(f"the tokenizer of {path} has no chat template")
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if hasattr(lm, "swiftkv"):
-        lm.swiftkv(False)
-    return lm, tokenizer
+    return as_student(lm, False), tokenizer
 
 
 def _batches(tokenizer, conversations: Sequence[Messages], max_len: int, batch_size: int) -> Iterable[dict]:

@@ -25,18 +25,11 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import swiftkv  # noqa: F401  (registers the SwiftKV model types)
-    from swiftkv.inference import chat_generate
+    from swiftkv.inference import as_student, chat_generate, load_chat_model
     from swiftkv.model_source import resolve_model
 
-    path = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-    if hasattr(model, "swiftkv"):
-        model.swiftkv(not args.teacher)
+    model, tokenizer = load_chat_model(resolve_model(args.model), args.dtype)
+    model = as_student(model, not args.teacher)
     start = time.perf_counter()
     answers = chat_generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature)
     elapsed = time.perf_counter() - start

@@ -30,7 +30,7 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], generat
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def _pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[tuple[str, bool]]:
+def chat_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[tuple[str, bool]]:
     """The rendered conversation cut into ``(text, is_assistant)`` pieces that concatenate to the whole."""
     pieces: list[tuple[str, bool]] = []
     done = ""
@@ -53,7 +53,7 @@ def tokenize_chat(tokenizer: PreTrainedTokenizerBase, messages: list[Message], l
     """Token ids of the templated conversation and its loss mask (see ``ChatTokens``)."""
     ids: list[int] = []
     selected: list[int] = []
-    for text, is_assistant in _pieces(tokenizer, messages):
+    for text, is_assistant in chat_pieces(tokenizer, messages):
         piece = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids.extend(piece)
         selected.extend([int(is_assistant or loss_on == "all")] * len(piece))

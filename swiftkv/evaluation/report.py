@@ -40,3 +40,83 @@ def format_table(results: dict[str, Any]) -> str:
     notes = [f"- {name} / {m}: {part['error']}" for name in results["tasks"]
              for m, part in results["quality"][name].items() if part and "error" in part]
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _usable(parts: dict[str, Any]) -> dict[str, Any]:
+    return {m: r for m, r in parts.items() if "error" not in r}
+
+
+def format_long_context(parts: dict[str, Any]) -> str:
+    """Share of needles retrieved by prompt length (over every depth), one column per model."""
+    from swiftkv.evaluation.needle import accuracy_by_length
+
+    by_model = {m: accuracy_by_length(r) for m, r in _usable(parts).items()}
+    if not by_model:
+        return ""
+    lengths = sorted({x for acc in by_model.values() for x in acc})
+    n = {m: sum(c["n"] for c in r["cells"] if c["length"] == lengths[0]) for m, r in _usable(parts).items()}
+    lines = ["| prompt tokens | " + " | ".join(f"{m} (n={n[m]} each)" for m in by_model) + " |",
+             "|---:|" + "---:|" * len(by_model)]
+    for x in lengths:
+        lines.append(f"| {x} | " + " | ".join(f"{100 * acc[x]:.0f}%" if x in acc else "-" for acc in by_model.values())
+                     + " |")
+    return "\n".join(lines)
+
+
+def format_multi_turn(parts: dict[str, Any]) -> str:
+    """Teacher agreement by assistant turn (SwiftKV models) and recall by gap (every model)."""
+    usable = _usable(parts)
+    lines = []
+    for data in ("chitchat", "mtbench"):
+        rows = {m: r[data] for m, r in usable.items() if data in r}
+        if rows:
+            turns = len(next(iter(rows.values()))["kl"])
+            lines += [f"Agreement with the teacher by assistant turn, {data} "
+                      f"(KL per token / top-1 teacher-forced / greedy reply equal):", "",
+                      "| model | " + " | ".join(f"turn {k}" for k in range(1, turns + 1)) + " |",
+                      "|---|" + "---:|" * turns]
+            for m, r in rows.items():
+                cells = [f"{r['kl'][k]:.3f} / {r['top1'][k]:.2f} / {r['greedy_match'][k]:.2f}" for k in range(turns)]
+                lines.append(f"| {m} (n={r['n']}) | " + " | ".join(cells) + " |")
+            lines.append("")
+    recalls = {m: r["recall"] for m, r in usable.items() if "recall" in r}
+    if recalls:
+        gaps = next(iter(recalls.values()))["gaps"]
+        lines += ["Recall of a fact stated in the first turn, by turns in between:", "",
+                  "| model | " + " | ".join(f"{g} turns" for g in gaps) + " |", "|---|" + "---:|" * len(gaps)]
+        lines += [f"| {m} (n={r['n']} each) | " + " | ".join(f"{100 * a:.0f}%" for a in r["accuracy"]) + " |"
+                  for m, r in recalls.items()]
+    return "\n".join(lines)
+
+
+def format_report(results: dict[str, Any]) -> str:
+    """The benchmark table, then the long-context and multi-turn tables where they were run."""
+    sections = [format_table(results)]
+    if long_context := format_long_context(results.get("long_context", {})):
+        sections.append("Needle retrieval by prompt length (share retrieved, over every depth):\n\n" + long_context)
+    if multi_turn := format_multi_turn(results.get("multi_turn", {})):
+        sections.append(multi_turn)
+    return "\n\n".join(sections)
+
+
+def plot_quality(results: dict[str, Any]) -> bytes:
+    """Bars of each task's score per model with standard-error whiskers, PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from swiftkv.outputs import figure_png
+
+    models = list(results["models"])
+    tasks = [t for t in results["tasks"] if any("score" in (results["quality"][t].get(m) or {}) for m in models)]
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(tasks) + 2), 3.8))
+    width = 0.8 / len(models)
+    for i, model in enumerate(models):
+        parts = [results["quality"][t].get(model) or {} for t in tasks]
+        ax.bar([x + i * width for x in range(len(tasks))], [100 * (p.get("score") or 0) for p in parts], width,
+               yerr=[100 * (p.get("stderr") or 0) for p in parts], capsize=3, label=model)
+    ax.set_xticks([x + width * (len(models) - 1) / 2 for x in range(len(tasks))], tasks, rotation=20)
+    ax.set_ylabel("score (%)")
+    ax.legend(fontsize=8)
+    return figure_png(fig)
