@@ -149,8 +149,10 @@ def serve_step(models: dict[str, str], cfg: MainConfig, out: Path) -> dict[str, 
 
     from serve_apps.subprocess_server import ServeProcess
 
-    args = ["--config", cfg.serve_config, "--set", "models.0.autoscaling.max_replicas=1"]
-    args += [a for name, path in models.items() for a in ("--model", f"{name}={path}")]
+    # One replica each: the step shows the service, it does not load-test it.
+    args = ["--config", cfg.serve_config]
+    for i, (name, path) in enumerate(models.items()):
+        args += ["--model", f"{name}={path}", "--set", f"models.{i}.autoscaling.max_replicas=1"]
     answers: dict[str, list[str]] = {}
     with ServeProcess(args, out / "serve.log") as server:
         log.info("swiftkv serve ready in %.0f s at %s", server.ready_s, server.base_url)
