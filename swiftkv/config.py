@@ -29,12 +29,33 @@ class SwiftKVFields:
         super().__post_init__(**kwargs)
         self.validate_swiftkv()
 
+    def to_dict(self) -> dict:
+        """The config as saved, with RoPE also in the form transformers 4.x reads (see
+        :func:`with_legacy_rope_fields`)."""
+        return with_legacy_rope_fields(super().to_dict())
+
     def validate_swiftkv(self) -> None:
         """Fill the cutoff default and check the SwiftKV fields against the layer count."""
         num_layers = self.num_hidden_layers
         if self.num_key_value_layers is None:
             self.num_key_value_layers = default_cutoff(num_layers)
         check_swiftkv_shape(num_layers, self.num_key_value_layers, self.key_value_group_size)
+
+
+def with_legacy_rope_fields(fields: dict) -> dict:
+    """``fields`` (a config dict) plus RoPE as transformers 4.x reads it: top-level ``rope_theta`` and
+    ``rope_scaling`` (``None`` for plain RoPE).
+
+    transformers 5 keeps RoPE in ``rope_parameters`` (theta included) and reads either form; 4.x
+    reads only the top-level keys and, without them, silently uses theta 10000 with no scaling (a
+    converted Llama-3.1 or Qwen2.5 would then give wrong logits there). Per-layer-type RoPE (a
+    nested ``rope_parameters``) has no 4.x form and is left as it is."""
+    params = fields.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        return fields
+    scaling = {key: value for key, value in params.items() if key != "rope_theta"}
+    plain = scaling.get("rope_type", "default") == "default"
+    return {**fields, "rope_theta": params["rope_theta"], "rope_scaling": None if plain else scaling}
 
 
 def default_cutoff(num_layers: int) -> int:
