@@ -199,6 +199,30 @@ class SwiftKVForCausalLMMixin:
             raise ValueError("SwiftKV models need non-reentrant gradient checkpointing (use_reentrant=False)")
         super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
-    def forward(self, *args, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        # The parameters are spelt out because ``generate`` hands ``position_ids`` (from the
+        # attention mask, so left padding does not shift them) only to a forward that declares them.
         skip = isinstance(logits_to_keep, int) and logits_to_keep == 1
-        return super().forward(*args, logits_to_keep=logits_to_keep, swiftkv_skip_prefill=skip, **kwargs)
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            swiftkv_skip_prefill=skip,
+            **kwargs,
+        )
