@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-import swiftkv  # noqa: F401
+import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.bundled import ensure_bundled_model
 from swiftkv.convert import convert_checkpoint
 from tests.tiny import save_tiny_base

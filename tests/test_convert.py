@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import swiftkv  # noqa: F401
+import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.cli import main as cli
 from swiftkv.convert import convert_model
 from tests.tiny import save_tiny_base

@@ -19,7 +19,7 @@ import ray
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import swiftkv  # noqa: F401
+import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from ray_jobs.distill import run
 from swiftkv.bundled import copy_bundled_tokenizer, ensure_bundled_model
 from swiftkv.distill.config import DataConfig, parse_config

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import swiftkv  # noqa: F401
+import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.modeling import LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM
 from tests.tiny import tiny_config, tiny_swiftkv_model
 
@@ -104,6 +104,14 @@ def test_generate_gives_left_padded_rows_their_real_positions():
     assert torch.equal(*tokens)
     assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     assert ours[0][1, 9:].tolist() == list(range(21))  # the padded row starts at 0 after its 9 pads
+
+
+def test_flex_attention_is_refused_for_prefill_skipping():
+    """Skipping keeps the last query row of each mask, which a flex-attention BlockMask does not have."""
+    model = tiny_swiftkv_model("llama")
+    model.config._attn_implementation = "flex_attention"
+    with torch.no_grad(), pytest.raises(ValueError, match="does not support attn_implementation='flex_attention'"):
+        greedy(model, padded_batch([9]), use_cache=True)
 
 
 def test_sampling_with_skipping_matches_full_student():

@@ -3,7 +3,7 @@
 ``load_student`` returns a SwiftKV model with the SPEC initialisation (or a SwiftKV checkpoint as it
 is, built already sharded under ZeRO-3); ``convert_once`` writes a base model's SwiftKV conversion
 to shared storage once, so that ZeRO-3 workers load that instead; ``write_hf_checkpoint`` writes the
-SPEC checkpoint layout, loadable by ``AutoModelForCausalLM`` after ``import swiftkv``.
+SPEC checkpoint layout, loadable by ``AutoModelForCausalLM`` after ``import swiftkv.modeling``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import fsspec
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-import swiftkv  # noqa: F401  (registers the SwiftKV Auto classes)
+import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.convert import convert_checkpoint, convert_model, load_base_model
 
 log = logging.getLogger(__name__)

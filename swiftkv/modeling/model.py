@@ -26,15 +26,8 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from swiftkv.config import layer_types
 from swiftkv.modeling.attention import is_group_leader
-
-
-def layer_types(config) -> list[str]:
-    """Per-layer attention kind: Qwen2 lists them; Mistral's window (if any) covers all layers."""
-    if getattr(config, "layer_types", None):
-        return list(config.layer_types)
-    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
-    return [kind] * config.num_hidden_layers
 
 
 def _last_query_row(mask):
@@ -118,8 +111,15 @@ class SwiftKVModelMixin:
             hidden = run_layer(i, hidden)
 
         if cutoff < num_layers:
+            skip = swiftkv_skip_prefill and past_key_values is not None and hidden.shape[1] > 1
+            if skip and self.config._attn_implementation == "flex_attention":
+                # Skipping keeps the last query row of each mask; a flex-attention BlockMask has no rows to cut.
+                raise ValueError(
+                    "SwiftKV prefill skipping does not support attn_implementation='flex_attention': load the "
+                    "model with attn_implementation='sdpa' or 'eager'"
+                )
             key_values = self._swiftkv_key_values(hidden, rope, past_key_values)
-            if swiftkv_skip_prefill and past_key_values is not None and hidden.shape[1] > 1:
+            if skip:
                 # Prefill skipping: only the last token of each sequence goes on.
                 hidden = hidden[:, -1:]
                 rope = (rope[0][:, -1:], rope[1][:, -1:])
