@@ -1,6 +1,6 @@
 """Distillation step throughput and where the step time goes, on one device (no Ray, no DeepSpeed).
 
-    python benchmarks/bench_distill.py --model bundled --num-key-value-layers 15 --seq-len 512 --steps 6
+    python -m benchmarks.bench_distill --model bundled --num-key-value-layers 15 --seq-len 512 --steps 6
 
 Each step is timed in phases: teacher forward (no grad), student forward, loss (chunked KL through
 the LM head, including its gradient), backward, optimizer. Tokens/s counts every token of the

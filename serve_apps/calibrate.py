@@ -24,9 +24,6 @@ from typing import Any
 
 from serve_apps.config import ModelOptions
 
-DEFAULT_INPUT_LENS = (512, 2048)
-DEFAULT_BATCHES = (1, 8)
-
 
 def _hardware() -> str:
     import torch
@@ -58,7 +55,7 @@ def measure_replica(options: ModelOptions, input_lens: list[int], batches: list[
 
 def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[int], num_prompts: int,
              rounds: int, decode_tokens: int) -> dict[str, Any]:
-    from swiftkv.vllm.benchmark import PromptMaker, offline_throughput
+    from benchmarks.bench_vllm import PromptMaker, offline_throughput
 
     context = llm.llm_engine.vllm_config.model_config.max_model_len
     lens = sorted({min(n, context - decode_tokens - 2) for n in input_lens})

@@ -312,22 +312,32 @@ def assert_close_to_hf(model, prompts: list[list[int]], outputs, max_tokens: int
     assert agreed >= len(prompts) * max_tokens / 2, f"only {agreed} greedy steps agree"
 
 
+# vLLM 0.32 runs Model Runner V2 by default on CUDA, which arms the prefill early exit on fewer steps
+# than V1 (the only runner on CPU, where V2 needs Triton): on a GPU both are checked.
+RUNNERS = ["v1", "v2"] if torch.cuda.is_available() else ["default"]
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_engine_matches_hf(engines, checkpoints, dtype):
+def test_compiled_engine_matches_hf(engines, checkpoints, dtype, runner, monkeypatch):
     """``enforce_eager=False``: both halves of the model (``swiftkv_prefill``, ``swiftkv_decode``) run
     compiled. On CPU that is torch.compile; on a GPU the same test runs vLLM's attention backend for
-    the dtype (FlashAttention for bfloat16) with CUDA graphs, which decode-only steps replay.
-    float32 equals the HF student; bfloat16 stays close to the HF student in bfloat16."""
+    the dtype (FlashAttention for bfloat16) with CUDA graphs, which decode-only steps replay, under
+    both model runners. float32 equals the HF student; bfloat16 stays close to the HF student in bfloat16."""
     from vllm import LLM
     from vllm.compilation.counter import compilation_counter
 
     engines.close()
+    if runner != "default":
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "v2" else "0")
     seen = compilation_counter.clone()
     llm = LLM(
         model=str(checkpoints.path("llama", 2)), dtype=dtype, enforce_eager=False, max_model_len=512,
         max_num_batched_tokens=CHUNK_BUDGET, max_num_seqs=16, block_size=BLOCK_SIZE, seed=0,
     )
     try:
+        if runner != "default":
+            assert llm.llm_engine.vllm_config.use_v2_model_runner == (runner == "v2")
         assert compilation_counter.num_models_seen - seen.num_models_seen == 2  # the two halves
         if torch.cuda.is_available():
             assert compilation_counter.num_cudagraph_captured > seen.num_cudagraph_captured

@@ -14,7 +14,6 @@ from pydantic import Field, model_validator
 from swiftkv import yaml_config
 from swiftkv.yaml_config import StrictConfig
 
-FORMATS = ("ultrachat", "openhermes", "slimorca", "messages", "chitchat")
 SourceFormat = Literal["ultrachat", "openhermes", "slimorca", "messages", "chitchat"]
 
 
