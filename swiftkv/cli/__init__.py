@@ -13,6 +13,7 @@ import sys
 # Verb modules, in the order `swiftkv --help` lists them.
 VERB_MODULES = [
     "swiftkv.cli.convert",
+    "swiftkv.cli.merge",
     "swiftkv.cli.generate",
     "swiftkv.cli.bundle",
     "swiftkv.cli.flops",
