@@ -138,6 +138,11 @@ class ScalingConfig(StrictConfig):
     cpus_per_worker: float = Field(default=1.0, gt=0)
     """Logical CPUs each worker reserves (leave some for Ray Data's read tasks)."""
 
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the workers' bundles (Ray Train's placement group strategy): ``PACK`` fills a
+    node before using the next (8 workers on an 8-GPU node); ``STRICT_SPREAD`` puts every worker on
+    its own node (one worker per node)."""
+
 
 class DeepSpeedConfig(StrictConfig):
     zero_stage: Literal[2, 3] = 2
