@@ -16,8 +16,8 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import LlamaTokenizerFast, PreTrainedTokenizerFast, Qwen2TokenizerFast
 
-from swiftkv.distill import data
-from swiftkv.distill.chat_tokens import ChatTokens, tokenize_chat
+from swiftkv.distill import chat_tokens, data
+from swiftkv.distill.chat_tokens import ChatTokens, assistant_spans, tokenize_chat
 from swiftkv.distill.config import DataConfig, SourceConfig
 from swiftkv.distill.schemas import MalformedRow
 
@@ -430,6 +430,20 @@ def test_selected_tokens_are_each_reply_and_its_end_of_turn_text(family, name):
     runs = selected_runs(tokenize_chat(tokenizer, messages, loss_on="assistant"))
     replies = [reply(m["content"]) for m in messages if m["role"] == "assistant"]
     assert [tokenizer.decode(run) for run in runs] == replies
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_one_rendering_with_every_reply_marked_gives_the_per_reply_spans(family, name, monkeypatch):
+    """The fast path (one rendering, every reply marked) finds the spans one rendering per reply finds,
+    and it is taken unless the template trims a reply that has spaces at its ends."""
+    tokenizer, reply = family
+    messages = CONVERSATIONS[name]
+    text, spans = assistant_spans(tokenizer, messages)
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    trimmed = any(reply(messages[k]["content"]).startswith(messages[k]["content"]) is False for k in turns)
+    assert (chat_tokens._spans_in_one_rendering(tokenizer, messages, text, turns) is None) == trimmed
+    monkeypatch.setattr(chat_tokens, "_spans_in_one_rendering", lambda *args: None)
+    assert assistant_spans(tokenizer, messages) == (text, spans)
 
 
 def test_a_token_shared_by_template_text_and_reply_is_the_replys():

@@ -25,6 +25,7 @@ import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from ray_jobs.distill import run
 from swiftkv.bundled import copy_bundled_tokenizer, ensure_bundled_model
 from swiftkv.cli import main as cli
+from swiftkv.distill import data
 from swiftkv.distill.config import DataConfig, parse_config
 from swiftkv.distill.data import build_datasets
 from tests.distill_data import sharegpt_rows, ultrachat_rows, write_jsonl, write_parquet
@@ -231,7 +232,7 @@ def test_malformed_rows_are_skipped_and_bundled_chitchat_reads(ray_cluster, tmp_
     assert rows and all(r["loss_mask"].sum() > 0 for r in rows)
 
 
-def test_one_big_file_streams_in_windows_of_small_integer_rows(ray_cluster):
+def test_one_big_file_streams_in_windows_of_small_integer_rows(ray_cluster, capsys):
     """The bundled chitchat file is one JSON object of 7K conversations: it is templated in windows
     (many blocks, not one task the first batch waits for, and no all-to-all stage), and the rows hold
     the smallest integer types that fit. The order is the same on every read (resume needs it)."""
@@ -239,9 +240,13 @@ def test_one_big_file_streams_in_windows_of_small_integer_rows(ray_cluster):
     cfg = DataConfig(sources=[{"uri": "bundled:chitchat", "format": "chitchat", "sample_count": 400}],
                      max_seq_len=256, heldout_fraction=0, pack_window=50)
     train, _ = build_datasets(cfg, tokenizer)
-    assert "RandomizeBlockOrder" not in str(train._plan._logical_plan.dag)
+    capsys.readouterr()
+    train.explain()  # Ray Data prints the physical plan: map stages only, no all-to-all barrier
+    plan = capsys.readouterr().out
+    assert "TaskPoolMapOperator" in plan and "AllToAllOperator" not in plan
     rows = train.materialize()
-    assert rows.num_blocks() >= 400 // 50
+    conversations = data._messages(cfg, heldout=False).count()  # those with a reply: 231 of the 400
+    assert conversations > 3 * cfg.pack_window and rows.num_blocks() >= conversations // cfg.pack_window
     first = rows.take(1)[0]
     dtypes = tuple(str(first[key].dtype) for key in ("input_ids", "position_ids", "loss_mask"))
     assert dtypes == ("int32", "int16", "uint8")

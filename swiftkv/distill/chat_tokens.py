@@ -6,10 +6,14 @@ markers, so transformers' ``return_assistant_tokens_mask`` cannot be used. Inste
 1. The whole conversation is rendered once and tokenized once, so the ids are exactly the ones the
    template gives (tokenizing pieces one by one can differ: SentencePiece adds "▁" at the start of
    a call, byte-level BPE merges across a cut such as "\\n" | "\\nreply").
-2. Each assistant turn is found by rendering the conversation again with that reply replaced by a
-   marker: the text before and after the marker must be the full rendering's own start and end.
-   This holds for templates that move other text between renderings too (Mistral v0.3 puts the
-   system prompt into the last user turn, and leaves it out when the conversation ends on a reply).
+2. The assistant turns are found by rendering the conversation again with every reply replaced by
+   its own marker: putting the replies back in place of the markers must give the full rendering
+   exactly. Where it does not (Llama-3.1 trims a reply with spaces at its ends), each reply is
+   found alone: the conversation rendered with that reply replaced by a marker, the text before and
+   after it being the full rendering's own start and end (one rendering per reply, which costs a
+   long conversation its length squared). This holds for templates that move other text between
+   renderings too (Mistral v0.3 puts the system prompt into the last user turn, and leaves it out
+   when the conversation ends on a reply).
    The turn's span is its reply as rendered plus its end-of-turn text: what the template puts
    after a reply that ends the conversation, as far as this turn has it too ("<|eot_id|>",
    "<|im_end|>\\n", "</s>").
@@ -59,22 +63,58 @@ def _around_marker(tokenizer: PreTrainedTokenizerBase, messages: list[Message], 
     return parts[0], parts[1]
 
 
+def _closing(tokenizer: PreTrainedTokenizerBase, messages: list[Message], k: int, text: str, end: int) -> int:
+    """The length of the end-of-turn text after reply ``k`` (ending at ``end`` in ``text``): what follows
+    the reply when the conversation ends on it, as far as this turn has it too (a template may add more
+    after the very last message)."""
+    _, closing = _around_marker(tokenizer, messages[: k + 1], k)
+    return len(os.path.commonprefix([closing, text[end:]]))
+
+
+def _spans_in_one_rendering(
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], text: str, turns: list[int]
+) -> list[tuple[int, int]] | None:
+    """Every reply's span from one rendering with all replies marked, when the template renders each
+    reply verbatim and the rest the same (putting the replies back gives ``text`` exactly) and ends
+    every turn alike; ``None`` otherwise (a template that trims a reply with spaces at its ends)."""
+    markers = [f"\ue000swiftkv-reply-{k}\ue001" for k in turns]
+    marked = [dict(m) for m in messages]
+    for k, marker in zip(turns, markers, strict=True):
+        marked[k]["content"] = marker
+    rendered, spans = _render(tokenizer, marked), []
+    pieces: list[str] = []
+    for marker in markers:
+        before, sep, rendered = rendered.partition(marker)
+        if not sep or marker in rendered:
+            return None
+        pieces.append(before)
+    position = 0
+    for piece, k in zip(pieces, turns, strict=True):
+        position += len(piece)
+        spans.append((position, position + len(messages[k]["content"])))
+        position = spans[-1][1]
+    if "".join(p + messages[k]["content"] for p, k in zip(pieces, turns, strict=True)) + rendered != text:
+        return None
+    first, last = (_closing(tokenizer, messages, k, text, spans[i][1]) for i, k in ((0, turns[0]), (-1, turns[-1])))
+    if first != last:
+        return None
+    return [(start, end + first) for start, end in spans]
+
+
 def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character span ``[start, end)`` of each assistant turn in it."""
     text = _render(tokenizer, messages)
+    turns = [k for k, message in enumerate(messages) if message["role"] == "assistant"]
+    if turns and (fast := _spans_in_one_rendering(tokenizer, messages, text, turns)) is not None:
+        return text, fast
     spans: list[tuple[int, int]] = []
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+    for k in turns:
         before, after = _around_marker(tokenizer, messages, k)
         start, end = len(before), len(text) - len(after)
         in_place = text.startswith(before) and text.endswith(after) and start <= end
         if not in_place or (spans and start < spans[-1][1]):
             raise MalformedRow("the chat template does not render this conversation's replies in place")
-        # The end-of-turn text: what follows the reply when the conversation ends on it, as far as this
-        # turn has it too (a template may add more after the very last message).
-        _, closing = _around_marker(tokenizer, messages[: k + 1], k)
-        spans.append((start, end + len(os.path.commonprefix([closing, text[end:]]))))
+        spans.append((start, end + _closing(tokenizer, messages, k, text, end)))
     return text, spans
 
 

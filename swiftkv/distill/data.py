@@ -155,23 +155,26 @@ def _tokenize_and_pack(batch: pa.Table, tokenizer_path: str, cfg: DataConfig) ->
 
 
 def _messages(cfg: DataConfig, heldout: bool) -> ray.data.Dataset:
-    # Blocks of pack_window / sources rows: the union takes one block of each source in turn, so every
-    # pack window mixes the sources, and a big file (chitchat's one JSON of 7K conversations)
-    # is templated window by window instead of in one task that the first batch waits for.
+    # Blocks of exactly pack_window / sources rows: the union takes one block of each source in turn,
+    # so every pack window mixes the sources, and a big file (chitchat's one JSON of 7K conversations)
+    # is templated window by window instead of in one task that the first batch waits for. Exact
+    # sizes also make the blocks the same in every run whatever read parallelism Ray picks from the
+    # CPUs free at the time (a restarted run may see fewer), which the seeded sample, the workers'
+    # shuffle buffers and streaming_split's block assignment all depend on.
     rows_per_block = max(1, cfg.pack_window // len(cfg.sources))
     parts = []
     for i, src in enumerate(cfg.sources):
         ds = _read(src, cfg.seed + i)
         if src.sample_count is not None:
             ds = ds.limit(src.sample_count)
-        elif src.weight is not None:
-            ds = ds.random_sample(src.weight, seed=cfg.seed + i)
         ds = ds.map_batches(
             _to_messages_batch,
             batch_format="pyarrow",
             fn_kwargs=dict(fmt=src.format, uri=src.uri, heldout=heldout, fraction=cfg.heldout_fraction),
-        )
-        parts.append(ds.repartition(target_num_rows_per_block=rows_per_block))
+        ).repartition(target_num_rows_per_block=rows_per_block, strict=True)
+        if src.weight is not None:
+            ds = ds.random_sample(src.weight, seed=cfg.seed + i)
+        parts.append(ds)
     return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
 
 
