@@ -64,7 +64,7 @@ class Progress:
     batches_in_epoch: int = 0
     """Micro-batches of the current epoch already trained on (skipped on resume)."""
     data_digests: list[str] = field(default_factory=list)
-    """Per rank, a running SHA-256 over every micro-batch that rank trained on."""
+    """Per rank, the head of a SHA-256 chain over every micro-batch that rank trained on."""
     optimizer_digests: list[list[float]] = field(default_factory=list)
     """Per rank, the sums of its optimizer state tensors when the checkpoint was written."""
     lr: float = 0.0
@@ -138,7 +138,9 @@ class Worker:
         # checkpointing: train in training mode (heldout() switches to eval and back).
         self.engine.train()
         self.progress = Progress()
-        self.data_digest = hashlib.sha256()
+        # A hash chain over the micro-batches (each link hashes the previous digest and the batch), so
+        # a resumed worker continues it from the checkpoint's value; a hash object's state cannot be.
+        self.data_digest = ""
         self.resumed_from_step = -1  # reported with every metric: -1 = a fresh start
 
     def log(self, text: str) -> None:
@@ -159,7 +161,7 @@ class Worker:
         if restored != self.progress.optimizer_digests[self.rank] or self.engine.get_lr()[0] != self.progress.lr:
             raise RuntimeError(f"rank {self.rank}: the restored optimizer state or learning rate differs from "
                                f"checkpoint {checkpoint.path}")
-        self.data_digest = hashlib.sha256(bytes.fromhex(self.progress.data_digests[self.rank]))
+        self.data_digest = self.progress.data_digests[self.rank]
         self.resumed_from_step = self.progress.step
         self.log(f"resumed from {checkpoint.path} at step {self.progress.step} (epoch {self.progress.epoch}, "
                  f"{self.progress.batches_in_epoch} micro-batches in); optimizer state and lr {self.progress.lr:.3e} "
@@ -188,7 +190,7 @@ class Worker:
             return {name: p.detach().cpu().clone() for name, p in named} if self.rank == 0 else None
 
     def save(self, metrics: dict[str, Any], final: bool) -> None:
-        self.progress.data_digests = _all_gather(self.data_digest.hexdigest())
+        self.progress.data_digests = _all_gather(self.data_digest)
         self.progress.optimizer_digests = _all_gather(optimizer_digest(self.engine))
         self.progress.lr = self.engine.get_lr()[0]
         with tempfile.TemporaryDirectory() as tmp:
@@ -211,7 +213,7 @@ class Worker:
 
     def report(self, metrics: dict[str, float], save: bool = False, final: bool = False) -> None:
         """Report metrics (a barrier across workers), with a checkpoint when ``save``."""
-        digest = hashlib.sha256("".join(_all_gather(self.data_digest.hexdigest())).encode()).hexdigest()[:16]
+        digest = hashlib.sha256("".join(_all_gather(self.data_digest)).encode()).hexdigest()[:16]
         metrics = {"step": self.progress.step, "resumed_from_step": self.resumed_from_step, "data_digest": digest,
                    **self.progress.at_start, **metrics}
         if save:
@@ -263,7 +265,8 @@ class Worker:
                 if len(micro_batches) < cfg.train.grad_accum:
                     break  # the epoch's rows are used up (a partial step is dropped)
                 for batch in micro_batches:
-                    self.data_digest.update(batch["input_ids"].numpy().tobytes())
+                    link = bytes.fromhex(self.data_digest) + batch["input_ids"].numpy().tobytes()
+                    self.data_digest = hashlib.sha256(link).hexdigest()
                 loss, kl, _ = self._step(micro_batches)
                 progress.step += 1
                 progress.batches_in_epoch += len(micro_batches)
