@@ -12,7 +12,7 @@ from swiftkv.cli import main as cli
 from swiftkv.convert import convert_model
 from tests.tiny import save_tiny_base
 
-FAMILIES = ["llama", "mistral", "qwen2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -33,9 +33,31 @@ def test_initialisation_follows_the_paper(family, tmp_path):
                         + b[f"model.layers.{leader + 1}.self_attn.{proj}.{kind}"]) / 2
                 torch.testing.assert_close(s[f"model.layers.{leader}.self_attn.{proj}_swiftkv.{kind}"], mean)
     assert "model.layers.3.self_attn.k_proj_swiftkv.weight" not in s
+    if family == "qwen3":  # the per-head norms: the layer's own q_norm, the group's mean k_norm
+        for j in range(2, 6):
+            assert torch.equal(s[f"model.layers.{j}.self_attn.q_norm_swiftkv.weight"],
+                               b[f"model.layers.{j}.self_attn.q_norm.weight"])
+        mean = (b["model.layers.4.self_attn.k_norm.weight"] + b["model.layers.5.self_attn.k_norm.weight"]) / 2
+        torch.testing.assert_close(s["model.layers.4.self_attn.k_norm_swiftkv.weight"], mean)
+        assert "model.layers.5.self_attn.k_norm_swiftkv.weight" not in s
     ids = torch.randint(3, 200, (2, 11))
     with torch.no_grad():
         torch.testing.assert_close(swift.swiftkv(False)(ids).logits, base(ids).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_student_with_one_layer_after_the_cutoff_is_the_teacher(family, tmp_path):
+    """At c = L - 1 (g = 1) the state entering layer c is that layer's own input and the
+    initialisation copies its whole attention input path (norm, projections, Qwen3's q/k norms), so
+    the converted student computes exactly what the teacher does: a norm or projection read from the
+    wrong place shows here."""
+    base = save_tiny_base(tmp_path, family, num_hidden_layers=4)
+    swift = convert_model(base, num_key_value_layers=3)
+    ids = torch.randint(3, 200, (2, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(swift(ids).logits, base(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(swift.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=2),
+                                   base.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=2))
 
 
 def test_checkpoint_round_trip_through_the_cli(tmp_path):

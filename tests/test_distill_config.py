@@ -20,6 +20,7 @@ RECIPES = [
         "llama-3.1-70b-instruct-50",
         "qwen2.5-14b-instruct-25",
         "mistral-small-instruct-50",
+        "qwen3-8b-50",
         "smollm2-135m-cpu",
     )
 ]

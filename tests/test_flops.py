@@ -117,12 +117,13 @@ def _matmul_flops(model, input_ids, **kwargs) -> int:
     return sum(v for op, v in counts.items() if "attention" not in str(op))
 
 
-@pytest.mark.parametrize(("c", "g"), [(2, 1), (2, 2)])
-def test_linear_flops_match_the_student_prefill(c, g):
+@pytest.mark.parametrize(("family", "c", "g"), [("llama", 2, 1), ("llama", 2, 2), ("qwen3", 2, 2)])
+def test_linear_flops_match_the_student_prefill(family, c, g):
     """Counted matmuls of a real prefill (student with a cache, logits for the last token only) equal
-    the model's K/V + Q/O + MLP terms per token, plus the last token's full pass and its logits."""
+    the model's K/V + Q/O + MLP terms per token, plus the last token's full pass and its logits
+    (Qwen3: a head width other than hidden / heads)."""
     seq_len = 64
-    model = tiny_swiftkv_model("llama", num_hidden_layers=6, num_key_value_layers=c, key_value_group_size=g)
+    model = tiny_swiftkv_model(family, num_hidden_layers=6, num_key_value_layers=c, key_value_group_size=g)
     config = model.config
     input_ids = torch.randint(3, 1000, (1, seq_len))
     measured = _matmul_flops(model, input_ids, use_cache=True, logits_to_keep=1)

@@ -15,6 +15,8 @@ FAMILY_OVERRIDES = {
     # A window shorter than the test prompts, so the sliding-window masks are exercised.
     "mistral": {"sliding_window": 24},
     "qwen2": {},  # q/k/v biases come with the family
+    # Per-head q/k norms come with the family; a head_dim that is not hidden / heads, as in Qwen3-8B's attention.
+    "qwen3": {"head_dim": 32},
 }
 
 
@@ -109,6 +111,10 @@ def save_tiny_base(
                            "key_value_group_size", "transformers_version")}
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields))
+    with torch.no_grad():  # norms away from their all-ones init, so that a norm read from the wrong place shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn(param.shape))
     model.save_pretrained(path)
     if bundled_tokenizer:
         copy_bundled_tokenizer(path)

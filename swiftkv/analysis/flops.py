@@ -59,7 +59,7 @@ def check_family(model_type: str, source: object) -> None:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes the cost model needs, read from a Llama/Mistral/Qwen2 (or SwiftKV) config."""
+    """The sizes the cost model needs, read from a Llama/Mistral/Qwen2/Qwen3 (or SwiftKV) config."""
 
     num_layers: int
     hidden: int
@@ -72,6 +72,8 @@ class ModelShape:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool
+    """Per-head RMSNorms on queries and keys (Qwen3): parameters only, their FLOPs are ignored."""
     attention_windows: tuple[int | None, ...]
     """Per layer: the sliding window, or ``None`` for full attention."""
 
@@ -92,6 +94,7 @@ class ModelShape:
             qkv_bias=qkv_has_bias(config),
             o_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=config.model_type.removesuffix("_swiftkv") == "qwen3",
             attention_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types(config)),
         )
 
@@ -190,7 +193,7 @@ def base_param_count(config) -> int:
     """Parameters of the base model (tied embeddings counted once)."""
     s = ModelShape.from_config(config)
     attention = 2 * s.hidden * s.q_size + 2 * s.hidden * s.kv_size
-    attention += (s.q_size + 2 * s.kv_size) * s.qkv_bias + s.hidden * s.o_bias
+    attention += (s.q_size + 2 * s.kv_size) * s.qkv_bias + s.hidden * s.o_bias + 2 * s.head_dim * s.qk_norm
     mlp = 3 * s.hidden * s.intermediate + (2 * s.intermediate + s.hidden) * s.mlp_bias
     layer = attention + mlp + 2 * s.hidden  # two RMSNorms
     embeddings = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
@@ -200,11 +203,12 @@ def base_param_count(config) -> int:
 def swiftkv_param_count(config, num_key_value_layers: int, key_value_group_size: int = 1) -> tuple[int, int]:
     """``(trainable, total)`` parameters of the SwiftKV model: the trainable ones are ``norm_swiftkv``,
     ``q_proj_swiftkv`` of every layer after the cutoff and ``k/v_proj_swiftkv`` of each group leader
-    (with biases where the family has them); the total adds them to the base model's."""
+    (with biases where the family has them, and Qwen3's ``q/k_norm_swiftkv``); the total adds them to
+    the base model's."""
     s = ModelShape.from_config(config)
     c, g = swiftkv_layout(config, num_key_value_layers, key_value_group_size)
-    q = s.hidden * s.q_size + s.q_size * s.qkv_bias
-    kv = 2 * (s.hidden * s.kv_size + s.kv_size * s.qkv_bias)
+    q = s.hidden * s.q_size + s.q_size * s.qkv_bias + s.head_dim * s.qk_norm
+    kv = 2 * (s.hidden * s.kv_size + s.kv_size * s.qkv_bias) + s.head_dim * s.qk_norm
     trainable = s.hidden + (s.num_layers - c) * q + (s.num_layers - c) // g * kv
     return trainable, base_param_count(config) + trainable
 

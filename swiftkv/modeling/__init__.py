@@ -5,12 +5,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from swiftkv.modeling.llama import LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM
 from swiftkv.modeling.mistral import MistralSwiftKVConfig, MistralSwiftKVForCausalLM
 from swiftkv.modeling.qwen2 import Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM
+from swiftkv.modeling.qwen3 import Qwen3SwiftKVConfig, Qwen3SwiftKVForCausalLM
 
 # base model_type -> (SwiftKV config class, SwiftKV causal-LM class)
 FAMILIES = {
     "llama": (LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM),
     "mistral": (MistralSwiftKVConfig, MistralSwiftKVForCausalLM),
     "qwen2": (Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM),
+    "qwen3": (Qwen3SwiftKVConfig, Qwen3SwiftKVForCausalLM),
 }
 
 for _config_cls, _model_cls in FAMILIES.values():
@@ -25,4 +27,6 @@ __all__ = [
     "MistralSwiftKVForCausalLM",
     "Qwen2SwiftKVConfig",
     "Qwen2SwiftKVForCausalLM",
+    "Qwen3SwiftKVConfig",
+    "Qwen3SwiftKVForCausalLM",
 ]
