@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from swiftkv.config import attention_head_dim, check_swiftkv_shape, layer_types, qkv_has_bias
+from swiftkv.config import attention_head_dim, check_swiftkv_shape, has_qk_norm, layer_types, qkv_has_bias
 
 # Base families and their SwiftKV model types: the cost model covers what swiftkv.modeling covers.
 
@@ -94,7 +94,7 @@ class ModelShape:
             qkv_bias=qkv_has_bias(config),
             o_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=config.model_type.removesuffix("_swiftkv") == "qwen3",
+            qk_norm=has_qk_norm(config),
             attention_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types(config)),
         )
 

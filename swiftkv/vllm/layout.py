@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
-from swiftkv.config import attention_head_dim, check_swiftkv_shape, qkv_has_bias
+from swiftkv.config import attention_head_dim, check_swiftkv_shape, has_qk_norm, qkv_has_bias
 from swiftkv.modeling import FAMILIES
 
 # The SwiftKV model types the plugin serves: those swiftkv.modeling defines.
@@ -65,6 +65,10 @@ class SwiftKVLayout:
     """Whether the output projection carries a bias."""
     mlp_bias: bool
     """Whether the MLP projections carry biases."""
+    qk_norm: bool
+    """Whether each query and key head is RMS-normed before rotary (Qwen3)."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm, the per-head ones included."""
     max_position: int
     """Largest position the rotary embedding is built for."""
     rope_parameters: dict | None
@@ -95,6 +99,8 @@ class SwiftKVLayout:
             qkv_bias=qkv_has_bias(config),
             o_proj_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=has_qk_norm(config),
+            rms_norm_eps=config.rms_norm_eps,
             max_position=getattr(config, "max_position_embeddings", 8192),
             rope_parameters=getattr(config, "rope_parameters", None),
         )
