@@ -93,6 +93,7 @@ def build_trainer(cfg: DistillConfig, tokenizer_path: str) -> TorchTrainer:
             num_workers=cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+            placement_strategy=cfg.scaling.placement_strategy,
         ),
         run_config=ray.train.RunConfig(
             name=cfg.output.name,

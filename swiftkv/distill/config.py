@@ -65,10 +65,11 @@ class DataConfig(StrictConfig):
     """Examples handed to the packer at once; a bigger window packs tighter. Each window mixes the
     sources (an equal share of each, in turn)."""
 
-    shuffle_buffer_rows: int = Field(default=64, ge=0)
+    shuffle_buffer_rows: int = Field(default=16, ge=0)
     """Packed rows each worker keeps in a local shuffle buffer and draws from at random (seeded by
-    ``seed`` and the epoch), on top of the seeded file order; 0 = off. The pipeline itself keeps a
-    fixed order, so a resumed run sees exactly the rows of an uninterrupted one."""
+    ``seed`` and the epoch), on top of the seeded file order; 0 = off. A worker waits for this many
+    rows before its first batch. The pipeline itself keeps a fixed order, so a resumed run sees
+    exactly the rows of an uninterrupted one."""
 
     seed: int = 0
     """Seed for the file order, source sampling and the workers' shuffle buffers."""
@@ -107,8 +108,9 @@ class TrainConfig(StrictConfig):
 
     reuse_teacher_prefix: bool = True
     """Run the frozen layers ``0..c-1`` once for teacher and student (they see the same input), and
-    start the student from the teacher's state at the cutoff: same loss and gradients, about half
-    the student's forward cost and activation memory. ``false`` runs both models whole."""
+    start the student from the teacher's state at the cutoff: same loss and gradients, without the
+    student's forward through those layers (at 50% SwiftKV, half its forward). ``false`` runs both
+    models whole."""
 
     hidden_loss_weight: float = Field(default=0.0, ge=0)
     """Weight of the MSE between student and teacher second-to-last hidden states (0 = the paper's KL alone)."""
@@ -135,6 +137,11 @@ class ScalingConfig(StrictConfig):
 
     cpus_per_worker: float = Field(default=1.0, gt=0)
     """Logical CPUs each worker reserves (leave some for Ray Data's read tasks)."""
+
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the workers' bundles (Ray Train's placement group strategy): ``PACK`` fills a
+    node before using the next (8 workers on an 8-GPU node); ``STRICT_SPREAD`` puts every worker on
+    its own node (one worker per node)."""
 
 
 class DeepSpeedConfig(StrictConfig):

@@ -7,7 +7,9 @@ KL all run inside it, so ZeRO-3's parameter gathering hooks see an ordinary forw
 Layers ``0..c-1`` are frozen and see the same input in both modes, so by default they run once
 (``reuse_teacher_prefix``): the teacher and the student each run layers ``c..L-1`` from the state
 entering layer ``c``, detached. The loss and its gradients are those of two full forwards (same
-values, float32 bit for bit) at about half the student's forward cost and activation memory.
+values, float32 bit for bit) without the student's forward through the frozen layers (half of it at
+50% SwiftKV). The memory autograd keeps for backward is the same either way: nothing before the
+cutoff requires grad, so those layers never kept activations for it.
 """
 
 from __future__ import annotations
