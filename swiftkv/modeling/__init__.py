@@ -2,6 +2,7 @@
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from swiftkv.modeling.deepseek_v2 import DeepseekV2SwiftKVConfig, DeepseekV2SwiftKVForCausalLM
 from swiftkv.modeling.llama import LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM
 from swiftkv.modeling.mistral import MistralSwiftKVConfig, MistralSwiftKVForCausalLM
 from swiftkv.modeling.qwen2 import Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM
@@ -13,6 +14,7 @@ FAMILIES = {
     "mistral": (MistralSwiftKVConfig, MistralSwiftKVForCausalLM),
     "qwen2": (Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM),
     "qwen3": (Qwen3SwiftKVConfig, Qwen3SwiftKVForCausalLM),
+    "deepseek_v2": (DeepseekV2SwiftKVConfig, DeepseekV2SwiftKVForCausalLM),
 }
 
 for _config_cls, _model_cls in FAMILIES.values():
@@ -20,6 +22,8 @@ for _config_cls, _model_cls in FAMILIES.values():
     AutoModelForCausalLM.register(_config_cls, _model_cls, exist_ok=True)
 
 __all__ = [
+    "DeepseekV2SwiftKVConfig",
+    "DeepseekV2SwiftKVForCausalLM",
     "FAMILIES",
     "LlamaSwiftKVConfig",
     "LlamaSwiftKVForCausalLM",

@@ -50,6 +50,7 @@ class SwiftKVModelMixin:
     """Adds ``norm_swiftkv`` and the SwiftKV attention of layers ``>= c`` to a family's model."""
 
     attention_cls: type[nn.Module]  # the family's SwiftKV attention, set by the family file
+    output_cls: type[BaseModelOutputWithPast] = BaseModelOutputWithPast  # the family's model output
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -130,7 +131,7 @@ class SwiftKVModelMixin:
         for i in range(first, min(swiftkv_from, last)):
             hidden = run_layer(i, hidden)
         if swiftkv_layers == "to_cutoff":
-            return BaseModelOutputWithPast(last_hidden_state=hidden)
+            return self.output_cls(last_hidden_state=hidden)
 
         if swiftkv_from < last:
             skip = swiftkv_skip_prefill and past_key_values is not None and hidden.shape[1] > 1
@@ -150,7 +151,7 @@ class SwiftKVModelMixin:
             for i in range(swiftkv_from, last):
                 hidden = run_layer(i, hidden, swiftkv_kv=key_values[i])
 
-        return BaseModelOutputWithPast(
+        return self.output_cls(
             last_hidden_state=self.norm(hidden),
             past_key_values=past_key_values if use_cache else None,
         )
