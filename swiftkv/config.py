@@ -116,3 +116,9 @@ def qkv_has_bias(config) -> bool:
     """Whether q/k/v (and their SwiftKV copies) carry biases: Qwen2 always, Llama and Mistral when
     ``attention_bias`` is set. Shared by the cost model and the vLLM model."""
     return config.model_type.removesuffix("_swiftkv") == "qwen2" or bool(getattr(config, "attention_bias", False))
+
+
+def has_qk_norm(config) -> bool:
+    """Whether each query and key head goes through an RMSNorm before rotary (Qwen3's ``q_norm``/``k_norm``).
+    Shared by the cost model and the vLLM model."""
+    return config.model_type.removesuffix("_swiftkv") == "qwen3"

@@ -2,8 +2,10 @@
 
 Initialisation before distillation: ``norm_swiftkv`` from layer c's ``input_layernorm``,
 ``q_proj_swiftkv`` a copy of ``q_proj``, a group leader's ``k/v_proj_swiftkv`` the mean of its
-group's ``k/v_proj`` (biases alike). With that init and g = 1 the student's K/V of layer j are
-those of a teacher whose layer j read the cutoff state: the distillation starts from there.
+group's ``k/v_proj`` (biases alike); likewise for every module a family has on those paths (Qwen3's
+per-head q/k norms, DeepSeek-V2's latent-attention projections and norms). With that init and g = 1
+the student's K/V of layer j are those of a teacher whose layer j read the cutoff state: the
+distillation starts from there (and at c = L - 1 the student is exactly the teacher).
 
 A safetensors base is converted without loading it: only the tensors the initialisation reads are
 loaded, and the SwiftKV tensors are written as one more shard beside the base's own shards
@@ -16,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -30,23 +33,29 @@ from swiftkv.modeling.attention import is_group_leader
 log = logging.getLogger(__name__)
 
 
-def swiftkv_initial_weights(
-    state: dict[str, torch.Tensor], num_layers: int, num_key_value_layers: int, key_value_group_size: int
-) -> dict[str, torch.Tensor]:
-    """The SwiftKV weights initialised from a base model's state dict."""
-    c, g = num_key_value_layers, key_value_group_size
+def swiftkv_initial_weights(state: Mapping[str, torch.Tensor], config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """The SwiftKV weights of the SwiftKV ``config`` initialised from a base model's state dict: each
+    query module of a layer after the cutoff copied, each key/value module of a group leader the
+    mean over its group (every tensor of the module: weight, bias), the modules being those the
+    family's SwiftKV attention names."""
+    c, g = config.num_key_value_layers, config.key_value_group_size
+    attention_cls = FAMILIES[config.model_type.removesuffix("_swiftkv")][1].model_cls.attention_cls
     new = {"model.norm_swiftkv.weight": state[f"model.layers.{c}.input_layernorm.weight"].clone()}
-    for j in range(c, num_layers):
-        attn = f"model.layers.{j}.self_attn"
+
+    def init(j: int, module: str, group: range) -> None:
         for kind in ("weight", "bias"):
-            if f"{attn}.q_proj.{kind}" not in state:
-                continue
-            new[f"{attn}.q_proj_swiftkv.{kind}"] = state[f"{attn}.q_proj.{kind}"].clone()
-            if is_group_leader(j, c, g):
-                for proj in ("k_proj", "v_proj"):
-                    group = [state[f"model.layers.{i}.self_attn.{proj}.{kind}"] for i in range(j, j + g)]
-                    mean = torch.stack(group).float().mean(0).to(group[0].dtype)
-                    new[f"{attn}.{proj}_swiftkv.{kind}"] = mean
+            sources = [f"model.layers.{i}.self_attn.{module}.{kind}" for i in group]
+            if sources[0] in state:  # modules the layer lacks (DeepSeek's q_proj vs q_a_proj) are skipped
+                tensors = [state[name] for name in sources]
+                mean = torch.stack(tensors).float().mean(0).to(tensors[0].dtype)
+                new[f"model.layers.{j}.self_attn.{module}_swiftkv.{kind}"] = mean
+
+    for j in range(c, config.num_hidden_layers):
+        for module in attention_cls.query_modules:
+            init(j, module, range(j, j + 1))
+        if is_group_leader(j, c, g):
+            for module in attention_cls.key_value_modules:
+                init(j, module, range(j, j + g))
     return new
 
 
@@ -82,8 +91,7 @@ def convert_model(
     config = swiftkv_config(base.config, num_key_value_layers, key_value_group_size)
     _, model_cls = FAMILIES[base.config.model_type]
     state = base.state_dict()
-    state.update(swiftkv_initial_weights(state, config.num_hidden_layers, config.num_key_value_layers,
-                                         key_value_group_size))
+    state.update(swiftkv_initial_weights(state, config))
     with torch.device("meta"):  # no second copy of the weights, no random init
         model = model_cls(config)
     model.load_state_dict(state, strict=True, assign=True)
@@ -144,8 +152,7 @@ def convert_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         if has_safetensors(path):  # shard by shard: the base is never loaded whole
-            new = swiftkv_initial_weights(ShardedTensors(path), config.num_hidden_layers, config.num_key_value_layers,
-                                          key_value_group_size)
+            new = swiftkv_initial_weights(ShardedTensors(path), config)
             write_checkpoint(path, new, config, tmp)
         else:
             swift = convert_model(load_base_model(path), config.num_key_value_layers, key_value_group_size)

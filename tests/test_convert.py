@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.cli import main as cli
 from swiftkv.convert import convert_model
+from swiftkv.modeling import FAMILIES as FAMILY_CLASSES  # importing it registers the SwiftKV Auto classes
 from tests.tiny import save_tiny_base
 
-FAMILIES = ["llama", "mistral", "qwen2"]
+DENSE = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = [*DENSE, "deepseek_v2", "deepseek_v2-q_lora"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", DENSE)
 def test_initialisation_follows_the_paper(family, tmp_path):
     base = save_tiny_base(tmp_path, family, num_hidden_layers=6)
     swift = convert_model(base, num_key_value_layers=2, key_value_group_size=2)
@@ -33,17 +35,65 @@ def test_initialisation_follows_the_paper(family, tmp_path):
                         + b[f"model.layers.{leader + 1}.self_attn.{proj}.{kind}"]) / 2
                 torch.testing.assert_close(s[f"model.layers.{leader}.self_attn.{proj}_swiftkv.{kind}"], mean)
     assert "model.layers.3.self_attn.k_proj_swiftkv.weight" not in s
+    if family == "qwen3":  # the per-head norms: the layer's own q_norm, the group's mean k_norm
+        for j in range(2, 6):
+            assert torch.equal(s[f"model.layers.{j}.self_attn.q_norm_swiftkv.weight"],
+                               b[f"model.layers.{j}.self_attn.q_norm.weight"])
+        mean = (b["model.layers.4.self_attn.k_norm.weight"] + b["model.layers.5.self_attn.k_norm.weight"]) / 2
+        torch.testing.assert_close(s["model.layers.4.self_attn.k_norm_swiftkv.weight"], mean)
+        assert "model.layers.5.self_attn.k_norm_swiftkv.weight" not in s
     ids = torch.randint(3, 200, (2, 11))
     with torch.no_grad():
         torch.testing.assert_close(swift.swiftkv(False)(ids).logits, base(ids).logits, rtol=0, atol=1e-6)
 
 
-def test_checkpoint_round_trip_through_the_cli(tmp_path):
-    base = save_tiny_base(tmp_path / "base", "qwen2", num_hidden_layers=4)
+@pytest.mark.parametrize("q_lora_rank", [None, 24], ids=["q_proj", "q_lora"])
+def test_deepseek_v2_initialisation(q_lora_rank, tmp_path):
+    """Latent attention: every query module of a later layer copied (q_proj, or q_a_proj,
+    q_a_layernorm and q_b_proj), a leader's latent path (kv_a_proj_with_mqa, kv_a_layernorm,
+    kv_b_proj) the mean of its group's, factor by factor, as the reference training code does."""
+    base = save_tiny_base(tmp_path, "deepseek_v2", num_hidden_layers=6, q_lora_rank=q_lora_rank)
+    swift = convert_model(base, num_key_value_layers=2, key_value_group_size=2)
+    b, s = base.state_dict(), swift.state_dict()
+    query = ["q_proj"] if q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
+    for j in range(2, 6):
+        for module in query:
+            name = f"model.layers.{j}.self_attn.{module}"
+            assert torch.equal(s[f"{name}_swiftkv.weight"], b[f"{name}.weight"])
+    for leader in (2, 4):
+        for module in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"):
+            group = [b[f"model.layers.{i}.self_attn.{module}.weight"] for i in (leader, leader + 1)]
+            torch.testing.assert_close(s[f"model.layers.{leader}.self_attn.{module}_swiftkv.weight"],
+                                       (group[0] + group[1]) / 2)
+    assert not any(k.startswith(("model.layers.3.self_attn.kv_", "model.layers.5.self_attn.kv_")) and "_swiftkv" in k
+                   for k in s)
+    assert not any(".q_proj_swiftkv" in k for k in s) if q_lora_rank else not any("q_a_proj" in k for k in s)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_student_with_one_layer_after_the_cutoff_is_the_teacher(family, tmp_path):
+    """At c = L - 1 (g = 1) the state entering layer c is that layer's own input and the
+    initialisation copies its whole attention input path (norm, projections, Qwen3's q/k norms), so
+    the converted student computes exactly what the teacher does: a norm or projection read from the
+    wrong place shows here."""
+    base = save_tiny_base(tmp_path, family, num_hidden_layers=4)
+    swift = convert_model(base, num_key_value_layers=3)
+    ids = torch.randint(3, 200, (2, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(swift(ids).logits, base(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(swift.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=2),
+                                   base.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=2))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "deepseek_v2"])
+def test_checkpoint_round_trip_through_the_cli(family, tmp_path):
+    """DeepSeek-V2: the checkpoint keeps the per-expert tensor names of the published layout, which
+    transformers fuses on loading; a SwiftKV model that did not fuse them would load random experts."""
+    base = save_tiny_base(tmp_path / "base", family, num_hidden_layers=4)
     out = tmp_path / "swift"
     assert cli(["convert", str(tmp_path / "base"), str(out), "--cutoff", "0.5", "--key-value-group-size", "2"]) == 0
     config = AutoConfig.from_pretrained(out)
-    assert (config.model_type, config.architectures) == ("qwen2_swiftkv", ["Qwen2SwiftKVForCausalLM"])
+    assert (config.model_type, config.architectures) == (f"{family}_swiftkv", [FAMILY_CLASSES[family][1].__name__])
     assert (config.swiftkv, config.num_key_value_layers, config.key_value_group_size) == (True, 2, 2)
     loaded = AutoModelForCausalLM.from_pretrained(out)
     expected = convert_model(base, 2, 2).state_dict()
@@ -59,6 +109,9 @@ def test_checkpoint_round_trip_through_the_cli(tmp_path):
     ids = torch.randint(3, 200, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, loaded(ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(again.swiftkv(False)(ids).logits, base(ids).logits, rtol=0, atol=1e-6)
+    base_names = set(load_file(tmp_path / "base" / "model.safetensors"))
+    assert base_names < set(load_file(tmp_path / "again" / "model.safetensors"))
 
 
 def test_cli_errors_name_the_problem(tmp_path, capsys):

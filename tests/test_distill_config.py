@@ -20,6 +20,8 @@ RECIPES = [
         "llama-3.1-70b-instruct-50",
         "qwen2.5-14b-instruct-25",
         "mistral-small-instruct-50",
+        "qwen3-8b-50",
+        "deepseek-v2-lite-chat-45",
         "smollm2-135m-cpu",
     )
 ]

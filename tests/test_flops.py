@@ -12,7 +12,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
 from swiftkv.analysis.flops import (
+    ModelShape,
     base_param_count,
+    flops_report,
     kv_cache_bytes_per_token,
     load_config,
     mean_attended_keys,
@@ -29,6 +31,7 @@ from tests.tiny import tiny_config, tiny_swiftkv_model
 FIXTURES = Path(__file__).parent / "fixtures"
 LLAMA_70B = FIXTURES / "llama-3.1-70b-instruct-config.json"
 LLAMA_8B = FIXTURES / "llama-3.1-8b-instruct-config.json"
+DEEPSEEK_V2_LITE = FIXTURES / "deepseek-v2-lite-chat-config.json"
 # The prompt length at which the causal-average attention term gives the paper's 160 GF (README).
 PAPER_SEQ_LEN = 120 * 1024
 
@@ -114,22 +117,31 @@ def _matmul_flops(model, input_ids, **kwargs) -> int:
     with counter, torch.no_grad():
         model(input_ids, **kwargs)
     counts = counter.get_flop_counts()["Global"]
-    return sum(v for op, v in counts.items() if "attention" not in str(op))
+    # Linear layers run as mm/addmm; attention as an SDPA op, or as bmm where SDPA falls back to its
+    # math path (DeepSeek-V2: values narrower than keys).
+    return sum(v for op, v in counts.items() if "attention" not in str(op) and "bmm" not in str(op))
 
 
-@pytest.mark.parametrize(("c", "g"), [(2, 1), (2, 2)])
-def test_linear_flops_match_the_student_prefill(c, g):
+@pytest.mark.parametrize(
+    ("family", "c", "g"), [("llama", 2, 1), ("llama", 2, 2), ("qwen3", 2, 2), ("deepseek_v2", 2, 2)]
+)
+def test_linear_flops_match_the_student_prefill(family, c, g):
     """Counted matmuls of a real prefill (student with a cache, logits for the last token only) equal
-    the model's K/V + Q/O + MLP terms per token, plus the last token's full pass and its logits."""
+    the model's K/V + Q/O + MLP terms per token, plus the last token's full pass and its logits
+    (Qwen3: a head width other than hidden / heads; DeepSeek-V2: latent attention, and a mixture of
+    experts whose routed experts torch counts as they run, so only the active ones)."""
     seq_len = 64
-    model = tiny_swiftkv_model("llama", num_hidden_layers=6, num_key_value_layers=c, key_value_group_size=g)
+    model = tiny_swiftkv_model(family, num_hidden_layers=6, num_key_value_layers=c, key_value_group_size=g)
+    if family == "deepseek_v2":
+        model.set_experts_implementation("eager")  # one matmul per expert and its tokens (grouped_mm counts none)
     config = model.config
     input_ids = torch.randint(3, 1000, (1, seq_len))
     measured = _matmul_flops(model, input_ids, use_cache=True, logits_to_keep=1)
     skipping = prefill_flops(config, seq_len, c, g)
     full = prefill_flops(config, seq_len)
-    per_layer_q_o_mlp = (full.qo_proj + full.mlp) / config.num_hidden_layers
-    last_token = (config.num_hidden_layers - c) * per_layer_q_o_mlp
+    shape = ModelShape.from_config(config)
+    last_token = sum(2 * (shape.query.weights + shape.output.weights + shape.mlps[j].weights)
+                     for j in range(c, config.num_hidden_layers))
     lm_head = full.vocab / 2
     expected = seq_len * (skipping.kv_proj + skipping.qo_proj + skipping.mlp) + last_token + lm_head
     assert measured == pytest.approx(expected, rel=1e-9)
@@ -137,6 +149,37 @@ def test_linear_flops_match_the_student_prefill(c, g):
     model.swiftkv(False)
     measured_teacher = _matmul_flops(model, input_ids, use_cache=True, logits_to_keep=1)
     assert measured_teacher == pytest.approx(seq_len * (full.kv_proj + full.qo_proj + full.mlp) + lm_head, rel=1e-9)
+
+
+def test_deepseek_v2_lite_parameters_are_the_published_ones():
+    """The shape model of DeepSeek-V2-Lite (latent attention, 64 routed experts of which 6 active, 2
+    shared) counts every parameter of the real architecture (built on the meta device): 15.7B, as
+    DeepSeek publishes; the weights one token runs through (its matmul FLOPs / 2, plus the LM head)
+    are the published 2.4B activated parameters."""
+    config = load_config(DEEPSEEK_V2_LITE)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert base_param_count(config) == sum(p.numel() for p in model.parameters()) == 15_706_484_224
+    full = prefill_flops(config, 1)
+    active = (full.kv_proj + full.qo_proj + full.mlp) / 2 + config.vocab_size * config.hidden_size
+    assert active / 1e9 == pytest.approx(2.4, rel=0.03)
+
+
+def test_deepseek_v2_lite_at_45_percent():
+    """The paper's DeepSeek-V2-Lite cutoff: 45% SwiftKV is c = 15 of 27 layers (the reference recipe's
+    too). Per prompt token at 4K tokens: 5.89 GF for the base, 3.72 GF with SwiftKV; the prefill
+    time the model predicts (no vocabulary term) is 0.571 of the base's."""
+    config = load_config(DEEPSEEK_V2_LITE)
+    assert cutoff_from_fraction(27, 0.45) == 15
+    report = flops_report(config, 4096, 15)
+    base, swift = report["prefill_gflops_per_token"]["base"], report["prefill_gflops_per_token"]["swiftkv"]
+    assert (round(base["total"], 3), round(swift["total"], 3)) == (5.888, 3.721)
+    # The 12 skipped layers are all mixture-of-experts layers: each saves its router, 2 shared and 6 routed experts.
+    moe = 2 * (2048 * 64 + (6 + 2) * 3 * 2048 * 1408) / 1e9
+    assert base["mlp"] - swift["mlp"] == pytest.approx(12 * moe)
+    assert report["predicted_prefill_ratio"] == pytest.approx(0.571, abs=5e-4)
+    # The latent cache: (kv_lora_rank + rope) per token and layer; AcrossKV g = 2 keeps 15 + 6 of 27.
+    assert flops_report(config, 4096, 15, 2)["kv_cache_reduction"] == pytest.approx(1 - 21 / 27)
 
 
 def test_cli_prints_and_writes_json(tmp_path, capsys):

@@ -14,7 +14,7 @@ import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.modeling import LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM
 from tests.tiny import tiny_config, tiny_swiftkv_model
 
-FAMILIES = ["llama", "mistral", "qwen2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v2-q_lora"]
 
 
 def padded_batch(lengths: list[int], vocab: int = 1000, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -53,7 +53,7 @@ def _padded_batch():
     return {"input_ids": ids, "attention_mask": mask}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "deepseek_v2"])
 def test_similarity_matches_hooked_layer_inputs(family):
     model = tiny_swiftkv_model(family, num_hidden_layers=4, num_key_value_layers=2).swiftkv(False)
     batch = _padded_batch()

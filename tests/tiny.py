@@ -15,7 +15,24 @@ FAMILY_OVERRIDES = {
     # A window shorter than the test prompts, so the sliding-window masks are exercised.
     "mistral": {"sliding_window": 24},
     "qwen2": {},  # q/k/v biases come with the family
+    # Per-head q/k norms come with the family; a head_dim that is not hidden / heads, as in Qwen3-8B's attention.
+    "qwen3": {"head_dim": 32},
+    # Latent attention (no query LoRA, as in DeepSeek-V2-Lite; tests set q_lora_rank for the other form)
+    # and a mixture of experts after one dense layer; every head its own KV head, as in the real models.
+    "deepseek_v2": {
+        "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 32,
+    },
 }
+# Named variants of a family (``family-variant``): DeepSeek-V2 with a query LoRA rank (q_a/q_b), as in DeepSeek-V2.
+VARIANT_OVERRIDES = {"q_lora": {"q_lora_rank": 24}}
+
+
+def split_family(name: str) -> tuple[str, dict]:
+    """``"deepseek_v2-q_lora"`` -> ``("deepseek_v2", {"q_lora_rank": 24})``; a plain family name has no overrides."""
+    family, _, variant = name.partition("-")
+    return family, dict(VARIANT_OVERRIDES[variant]) if variant else {}
 
 
 def tiny_config(
@@ -26,6 +43,7 @@ def tiny_config(
     swiftkv: bool = True,
     **overrides,
 ):
+    family, variant = split_family(family)
     config_cls, _ = FAMILIES[family]
     fields = dict(
         vocab_size=TINY_VOCAB,
@@ -41,6 +59,7 @@ def tiny_config(
         pad_token_id=2,
     )
     fields.update(FAMILY_OVERRIDES[family])
+    fields.update(variant)
     fields.update(overrides)
     return config_cls(
         num_hidden_layers=num_hidden_layers,
@@ -64,7 +83,7 @@ def randomize_swiftkv_weights(model, seed: int = 1) -> None:
 def tiny_swiftkv_model(family: str = "llama", seed: int = 0, **config_kwargs):
     """A float32 SwiftKV model in eval mode, student on, with random base and SwiftKV weights."""
     torch.manual_seed(seed)
-    _, model_cls = FAMILIES[family]
+    _, model_cls = FAMILIES[split_family(family)[0]]
     model = model_cls(tiny_config(family, **config_kwargs)).eval()
     randomize_swiftkv_weights(model, seed + 1)
     return model
@@ -108,7 +127,11 @@ def save_tiny_base(
               if k not in ("model_type", "architectures", "swiftkv", "num_key_value_layers",
                            "key_value_group_size", "transformers_version")}
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(split_family(family)[0], **fields))
+    with torch.no_grad():  # norms away from their all-ones init, so that a norm read from the wrong place shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn(param.shape))
     model.save_pretrained(path)
     if bundled_tokenizer:
         copy_bundled_tokenizer(path)

@@ -14,6 +14,13 @@ Conventions (they reproduce the paper's Llama-3.1-70B table, see the README):
   (122,880) tokens; a 128K prompt gives 172 GF.
 - A SwiftKV prompt token runs layers ``0..c-1`` in full, then one K/V projection per AcrossKV
   group leader from the state entering layer ``c``; the last token's full pass is not counted.
+- A mixture-of-experts MLP counts what one token runs: the router, the shared experts and
+  ``num_experts_per_tok`` routed experts (the active ones), not every expert.
+- DeepSeek-V2's latent attention: the K/V part is the latent projection (``kv_a_proj_with_mqa``)
+  plus the expansion of the token's latent into every head's key and value (``kv_b_proj``), as the
+  Hugging Face model and vLLM's prefill compute it; attention costs ``2 * heads * (qk_head_dim +
+  v_head_dim)`` per key; the cache holds ``kv_lora_rank + qk_rope_head_dim`` elements per token
+  and layer.
 """
 
 from __future__ import annotations
@@ -21,9 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from swiftkv.config import attention_head_dim, check_swiftkv_shape, layer_types, qkv_has_bias
-
-# Base families and their SwiftKV model types: the cost model covers what swiftkv.modeling covers.
+from swiftkv.config import attention_head_dim, check_swiftkv_shape, has_qk_norm, layer_types, qkv_has_bias
 
 # Bytes per stored K or V element for --kv-cache-dtype.
 KV_CACHE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -58,50 +63,115 @@ def check_family(model_type: str, source: object) -> None:
 
 
 @dataclass(frozen=True)
+class Part:
+    """One part of a layer: the matmul weights a token runs through, and its other parameters
+    (biases, norm weights), whose FLOPs the model ignores."""
+
+    weights: int
+    extra: int = 0
+
+    @property
+    def params(self) -> int:
+        return self.weights + self.extra
+
+
+@dataclass(frozen=True)
 class ModelShape:
-    """The sizes the cost model needs, read from a Llama/Mistral/Qwen2 (or SwiftKV) config."""
+    """The sizes the cost model needs, per layer part, read from a Llama/Mistral/Qwen2/Qwen3/DeepSeek-V2
+    (or SwiftKV) config. The query and key/value parts are exactly what SwiftKV copies (the query part
+    of every layer after the cutoff, the key/value part of every AcrossKV group leader)."""
 
     num_layers: int
     hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
     vocab: int
     tied_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
+    query: Part
+    """The query path of one layer (Qwen3: with its per-head norm; DeepSeek-V2: q_proj, or q_a/q_b)."""
+    key_value: Part
+    """The key/value path of one layer (DeepSeek-V2: the latent projection, its norm and its expansion)."""
+    output: Part
+    """The attention output projection."""
+    mlps: tuple[Part, ...]
+    """Per layer, the MLP as one token runs it: for a mixture of experts the router, the shared
+    experts and ``num_experts_per_tok`` routed experts (the active ones)."""
+    mlp_params: tuple[int, ...]
+    """Per layer, every parameter of the MLP (all experts)."""
+    attention_per_key: int
+    """FLOPs of ``Q K^T`` and ``A V`` over all heads, per attended key."""
+    kv_cache_width: int
+    """Elements one layer's cache holds per token: K and V, or DeepSeek-V2's latent and rotary key part."""
     attention_windows: tuple[int | None, ...]
     """Per layer: the sliding window, or ``None`` for full attention."""
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
         check_family(config.model_type, "config")
-        attention_bias = bool(getattr(config, "attention_bias", False))
+        attention = _latent_attention(config) if is_latent_attention(config) else _dense_attention(config)
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        dense_mlp = Part(3 * config.hidden_size * config.intermediate_size,
+                         (2 * config.intermediate_size + config.hidden_size) * mlp_bias)
+        mlps = [_moe(config) if _is_moe_layer(config, i) else (dense_mlp, dense_mlp.params)
+                for i in range(config.num_hidden_layers)]
         window = getattr(config, "sliding_window", None)
         return cls(
             num_layers=config.num_hidden_layers,
             hidden=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=attention_head_dim(config),
-            intermediate=config.intermediate_size,
             vocab=config.vocab_size,
             tied_embeddings=bool(config.tie_word_embeddings),
-            qkv_bias=qkv_has_bias(config),
-            o_bias=attention_bias,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            **attention,
+            mlps=tuple(active for active, _ in mlps),
+            mlp_params=tuple(total for _, total in mlps),
             attention_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types(config)),
         )
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
 
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+def is_latent_attention(config) -> bool:
+    """DeepSeek-V2's multi-head latent attention (the cache holds a latent, not per-head K/V)."""
+    return config.model_type.removesuffix("_swiftkv") == "deepseek_v2"
+
+
+def _dense_attention(config) -> dict:
+    hidden, bias, norm = config.hidden_size, qkv_has_bias(config), has_qk_norm(config)
+    head_dim = attention_head_dim(config)
+    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return dict(
+        query=Part(hidden * q_size, q_size * bias + head_dim * norm),
+        key_value=Part(2 * hidden * kv_size, 2 * kv_size * bias + head_dim * norm),
+        output=Part(q_size * hidden, hidden * bool(getattr(config, "attention_bias", False))),
+        attention_per_key=4 * q_size,
+        kv_cache_width=2 * kv_size,
+    )
+
+
+def _latent_attention(config) -> dict:
+    hidden, heads, bias = config.hidden_size, config.num_attention_heads, bool(config.attention_bias)
+    qk_head = config.qk_nope_head_dim + config.qk_rope_head_dim
+    latent, rope = config.kv_lora_rank, config.qk_rope_head_dim
+    if config.q_lora_rank is None:
+        query = Part(hidden * heads * qk_head)
+    else:  # q_a_proj (bias as attention_bias), q_a_layernorm, q_b_proj
+        rank = config.q_lora_rank
+        query = Part(hidden * rank + rank * heads * qk_head, rank * bias + rank)
+    expansion = latent * heads * (config.qk_nope_head_dim + config.v_head_dim)
+    return dict(
+        query=query,
+        key_value=Part(hidden * (latent + rope) + expansion, (latent + rope) * bias + latent),
+        output=Part(heads * config.v_head_dim * hidden, hidden * bias),
+        attention_per_key=2 * heads * (qk_head + config.v_head_dim),
+        kv_cache_width=latent + rope,
+    )
+
+
+def _is_moe_layer(config, layer: int) -> bool:
+    return getattr(config, "n_routed_experts", None) is not None and layer >= config.first_k_dense_replace
+
+
+def _moe(config) -> tuple[Part, int]:
+    """(what one token runs, all parameters) of a mixture-of-experts layer."""
+    expert = 3 * config.hidden_size * config.moe_intermediate_size
+    router = config.hidden_size * config.n_routed_experts
+    active = Part(router + (config.num_experts_per_tok + config.n_shared_experts) * expert)
+    return active, router + (config.n_routed_experts + config.n_shared_experts) * expert
 
 
 def swiftkv_layout(config, num_key_value_layers: int | None, key_value_group_size: int | None) -> tuple[int, int]:
@@ -142,13 +212,13 @@ class PrefillFlops:
 
 def _prefill_flops(shape: ModelShape, seq_len: int, full_layers: int, kv_layers: int) -> PrefillFlops:
     """Prompt tokens run ``full_layers`` layers in full; K/V projections run ``kv_layers`` times."""
-    per_head_key = 4 * shape.q_size  # Q K^T and A V, per attended key
     return PrefillFlops(
         vocab=4 * shape.hidden * shape.vocab,
-        kv_proj=kv_layers * 2 * shape.hidden * 2 * shape.kv_size,
-        qo_proj=full_layers * 2 * 2 * shape.hidden * shape.q_size,
-        mlp=full_layers * 2 * 3 * shape.hidden * shape.intermediate,
-        attention=sum(per_head_key * mean_attended_keys(seq_len, w) for w in shape.attention_windows[:full_layers]),
+        kv_proj=kv_layers * 2 * shape.key_value.weights,
+        qo_proj=full_layers * 2 * (shape.query.weights + shape.output.weights),
+        mlp=sum(2 * mlp.weights for mlp in shape.mlps[:full_layers]),
+        attention=sum(shape.attention_per_key * mean_attended_keys(seq_len, w)
+                      for w in shape.attention_windows[:full_layers]),
     )
 
 
@@ -177,7 +247,7 @@ def kv_cache_bytes_per_token(config, num_kv_layers: int | None = None, dtype: st
         raise ValueError(f"unknown KV-cache dtype {dtype!r} (known: {', '.join(KV_CACHE_DTYPE_BYTES)})")
     shape = ModelShape.from_config(config)
     layers = shape.num_layers if num_kv_layers is None else num_kv_layers
-    return layers * 2 * shape.kv_size * KV_CACHE_DTYPE_BYTES[dtype]
+    return layers * shape.kv_cache_width * KV_CACHE_DTYPE_BYTES[dtype]
 
 
 def swiftkv_kv_layers(config, num_key_value_layers: int, key_value_group_size: int = 1) -> int:
@@ -187,25 +257,23 @@ def swiftkv_kv_layers(config, num_key_value_layers: int, key_value_group_size: i
 
 
 def base_param_count(config) -> int:
-    """Parameters of the base model (tied embeddings counted once)."""
+    """Parameters of the base model (tied embeddings counted once; every expert)."""
     s = ModelShape.from_config(config)
-    attention = 2 * s.hidden * s.q_size + 2 * s.hidden * s.kv_size
-    attention += (s.q_size + 2 * s.kv_size) * s.qkv_bias + s.hidden * s.o_bias
-    mlp = 3 * s.hidden * s.intermediate + (2 * s.intermediate + s.hidden) * s.mlp_bias
-    layer = attention + mlp + 2 * s.hidden  # two RMSNorms
+    attention = s.query.params + s.key_value.params + s.output.params
+    layers = s.num_layers * (attention + 2 * s.hidden) + sum(s.mlp_params)  # + two RMSNorms per layer
     embeddings = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
-    return s.num_layers * layer + embeddings + s.hidden  # + final norm
+    return layers + embeddings + s.hidden  # + final norm
 
 
 def swiftkv_param_count(config, num_key_value_layers: int, key_value_group_size: int = 1) -> tuple[int, int]:
     """``(trainable, total)`` parameters of the SwiftKV model: the trainable ones are ``norm_swiftkv``,
-    ``q_proj_swiftkv`` of every layer after the cutoff and ``k/v_proj_swiftkv`` of each group leader
-    (with biases where the family has them); the total adds them to the base model's."""
+    the query part of every layer after the cutoff and the key/value part of each group leader
+    (``q/k/v_proj_swiftkv`` with biases where the family has them, Qwen3's ``q/k_norm_swiftkv``,
+    DeepSeek-V2's latent-attention modules); the total adds them to the base model's."""
     s = ModelShape.from_config(config)
     c, g = swiftkv_layout(config, num_key_value_layers, key_value_group_size)
-    q = s.hidden * s.q_size + s.q_size * s.qkv_bias
-    kv = 2 * (s.hidden * s.kv_size + s.kv_size * s.qkv_bias)
-    trainable = s.hidden + (s.num_layers - c) * q + (s.num_layers - c) // g * kv
+    later = s.num_layers - c
+    trainable = s.hidden + later * s.query.params + later // g * s.key_value.params
     return trainable, base_param_count(config) + trainable
 
 

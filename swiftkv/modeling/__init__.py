@@ -2,15 +2,19 @@
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from swiftkv.modeling.deepseek_v2 import DeepseekV2SwiftKVConfig, DeepseekV2SwiftKVForCausalLM
 from swiftkv.modeling.llama import LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM
 from swiftkv.modeling.mistral import MistralSwiftKVConfig, MistralSwiftKVForCausalLM
 from swiftkv.modeling.qwen2 import Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM
+from swiftkv.modeling.qwen3 import Qwen3SwiftKVConfig, Qwen3SwiftKVForCausalLM
 
 # base model_type -> (SwiftKV config class, SwiftKV causal-LM class)
 FAMILIES = {
     "llama": (LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM),
     "mistral": (MistralSwiftKVConfig, MistralSwiftKVForCausalLM),
     "qwen2": (Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM),
+    "qwen3": (Qwen3SwiftKVConfig, Qwen3SwiftKVForCausalLM),
+    "deepseek_v2": (DeepseekV2SwiftKVConfig, DeepseekV2SwiftKVForCausalLM),
 }
 
 for _config_cls, _model_cls in FAMILIES.values():
@@ -18,6 +22,8 @@ for _config_cls, _model_cls in FAMILIES.values():
     AutoModelForCausalLM.register(_config_cls, _model_cls, exist_ok=True)
 
 __all__ = [
+    "DeepseekV2SwiftKVConfig",
+    "DeepseekV2SwiftKVForCausalLM",
     "FAMILIES",
     "LlamaSwiftKVConfig",
     "LlamaSwiftKVForCausalLM",
@@ -25,4 +31,6 @@ __all__ = [
     "MistralSwiftKVForCausalLM",
     "Qwen2SwiftKVConfig",
     "Qwen2SwiftKVForCausalLM",
+    "Qwen3SwiftKVConfig",
+    "Qwen3SwiftKVForCausalLM",
 ]

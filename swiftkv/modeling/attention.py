@@ -1,9 +1,15 @@
 """The SwiftKV attention of a layer after the cutoff (j >= c).
 
-It keeps the family's own attention (teacher path) and adds the student's projections:
-``q_proj_swiftkv`` on every such layer, ``k_proj_swiftkv``/``v_proj_swiftkv`` on AcrossKV group
-leaders only. In the student path the layer's K/V are not computed here: the model computes
-them once from the normed cutoff state (see ``model.py``) and hands them in as ``swiftkv_kv``.
+It keeps the family's own attention (teacher path) and adds the student's modules, named like the
+family's own with ``_swiftkv`` appended: the query modules on every such layer, the key/value
+modules on AcrossKV group leaders only. In the student path the layer's K/V are not computed here:
+the model computes them once from the normed cutoff state through the leader's
+:meth:`~SwiftKVAttentionMixin.swiftkv_cache_entry` and :meth:`~SwiftKVAttentionMixin.swiftkv_expand`
+(see ``model.py``) and hands them in as ``swiftkv_kv``.
+
+A family states which of its modules are which (``query_modules``, ``key_value_modules``); the
+initialisation (``swiftkv.convert``) reads the same lists: query modules are copied, key/value
+modules take the mean over the AcrossKV group.
 """
 
 from __future__ import annotations
@@ -27,33 +33,57 @@ def is_group_leader(layer_idx: int, num_key_value_layers: int, key_value_group_s
     return layer_idx >= num_key_value_layers and (layer_idx - num_key_value_layers) % key_value_group_size == 0
 
 
-def _like(linear: nn.Linear) -> nn.Linear:
-    return nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+def _like(module: nn.Module) -> nn.Module:
+    """A new module of the same kind and shape (a linear layer or an RMSNorm), values to be loaded."""
+    if isinstance(module, nn.Linear):
+        return nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+    return type(module)(module.weight.shape[0], eps=module.variance_epsilon)
 
 
 class SwiftKVAttentionMixin:
     """Mixed in before a family's attention class (``LlamaAttention``, ``Qwen2Attention``, ...)."""
 
+    query_modules: tuple[str, ...] = ("q_proj",)
+    """The family's modules on the query path; those the layer has get a ``_swiftkv`` copy."""
+    key_value_modules: tuple[str, ...] = ("k_proj", "v_proj")
+    """The family's modules on the key/value path; group leaders get a ``_swiftkv`` copy."""
+
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
-        self.q_proj_swiftkv = _like(self.q_proj)
+        names = list(self.query_modules)
         if is_group_leader(layer_idx, config.num_key_value_layers, config.key_value_group_size):
-            self.k_proj_swiftkv = _like(self.k_proj)
-            self.v_proj_swiftkv = _like(self.v_proj)
+            names += self.key_value_modules
+        for name in names:
+            if getattr(self, name, None) is not None:  # e.g. DeepSeek has q_proj or the q_a/q_b pair
+                setattr(self, f"{name}_swiftkv", _like(getattr(self, name)))
 
-    def swiftkv_key_value(
-        self, normed_cutoff_state: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    def _heads(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        """``{kind}_proj_swiftkv(x)`` as ``[batch, heads, tokens, head_dim]``, through the per-head
+        ``{kind}_norm_swiftkv`` where the family has one (Qwen3's q/k norms)."""
+        out = getattr(self, f"{kind}_proj_swiftkv")(x).view(*x.shape[:-1], -1, self.head_dim)
+        norm = getattr(self, f"{kind}_norm_swiftkv", None)
+        return (out if norm is None else norm(out)).transpose(1, 2)
+
+    def swiftkv_query(self, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """The student's query (rotary applied) from this layer's own normed input."""
+        return apply_rope(self._heads("q", hidden_states), *position_embeddings)
+
+    def swiftkv_cache_entry(
+        self, normed_cutoff_state: torch.Tensor, position_embeddings
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (with rotary) and V of this group leader, from ``norm_swiftkv(h)`` of every token."""
-        shape = (*normed_cutoff_state.shape[:-1], -1, self.head_dim)
-        key = self.k_proj_swiftkv(normed_cutoff_state).view(shape).transpose(1, 2)
-        value = self.v_proj_swiftkv(normed_cutoff_state).view(shape).transpose(1, 2)
-        return apply_rope(key, *position_embeddings), value
+        """What this group leader stores in the KV cache for every token, from ``norm_swiftkv(h)``:
+        K (with rotary) and V."""
+        key = apply_rope(self._heads("k", normed_cutoff_state), *position_embeddings)
+        return key, self._heads("v", normed_cutoff_state)
+
+    def swiftkv_expand(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V the group's layers attend to, from the cache entries (past + new tokens)."""
+        return key, value
 
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings,
         attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         swiftkv_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -68,8 +98,7 @@ class SwiftKVAttentionMixin:
                 **kwargs,
             )
         input_shape = hidden_states.shape[:-1]
-        query = self.q_proj_swiftkv(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        query = apply_rope(query, *position_embeddings)
+        query = self.swiftkv_query(hidden_states, position_embeddings)
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -80,7 +109,7 @@ class SwiftKVAttentionMixin:
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
-            # Qwen2 keeps a per-layer window, Mistral a model-wide one, Llama none.
+            # Qwen2/Qwen3 keep a per-layer window, Mistral a model-wide one, Llama none.
             sliding_window=getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)),
             **kwargs,
         )

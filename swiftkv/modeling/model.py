@@ -36,6 +36,11 @@ from swiftkv.config import layer_types
 from swiftkv.modeling.attention import is_group_leader
 
 
+def _last_position(rope):
+    """The rotary embedding of the last position: a ``(cos, sin)`` pair, or DeepSeek's one complex tensor."""
+    return tuple(part[:, -1:] for part in rope) if isinstance(rope, tuple) else rope[:, -1:]
+
+
 def _last_query_row(mask):
     """Keep the last query row of a 4-D mask; ``None`` and 2-D padding masks need no change."""
     return mask[..., -1:, :] if isinstance(mask, torch.Tensor) and mask.dim() == 4 else mask
@@ -45,6 +50,7 @@ class SwiftKVModelMixin:
     """Adds ``norm_swiftkv`` and the SwiftKV attention of layers ``>= c`` to a family's model."""
 
     attention_cls: type[nn.Module]  # the family's SwiftKV attention, set by the family file
+    output_cls: type[BaseModelOutputWithPast] = BaseModelOutputWithPast  # the family's model output
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -125,7 +131,7 @@ class SwiftKVModelMixin:
         for i in range(first, min(swiftkv_from, last)):
             hidden = run_layer(i, hidden)
         if swiftkv_layers == "to_cutoff":
-            return BaseModelOutputWithPast(last_hidden_state=hidden)
+            return self.output_cls(last_hidden_state=hidden)
 
         if swiftkv_from < last:
             skip = swiftkv_skip_prefill and past_key_values is not None and hidden.shape[1] > 1
@@ -139,13 +145,13 @@ class SwiftKVModelMixin:
             if skip:
                 # Prefill skipping: only the last token of each sequence goes on.
                 hidden = hidden[:, -1:]
-                rope = (rope[0][:, -1:], rope[1][:, -1:])
+                rope = _last_position(rope)
                 position_ids = position_ids[..., -1:]
                 masks = {kind: _last_query_row(mask) for kind, mask in masks.items()}
             for i in range(swiftkv_from, last):
                 hidden = run_layer(i, hidden, swiftkv_kv=key_values[i])
 
-        return BaseModelOutputWithPast(
+        return self.output_cls(
             last_hidden_state=self.norm(hidden),
             past_key_values=past_key_values if use_cache else None,
         )
@@ -155,18 +161,20 @@ class SwiftKVModelMixin:
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """K/V (past + new tokens) that each layer ``>= c`` attends to, keyed by layer index.
 
-        Only group leaders compute and cache K/V; the other layers of a group read the
-        leader's (their cache entries stay empty)."""
+        Only group leaders compute and cache K/V (DeepSeek-V2: the latent, expanded by the leader
+        after the cache); the other layers of a group read the leader's (their cache entries stay
+        empty)."""
         config = self.config
         c, g = config.num_key_value_layers, config.key_value_group_size
         normed = self.norm_swiftkv(cutoff_state)
         key_values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for j in range(c, config.num_hidden_layers):
             if is_group_leader(j, c, g):
-                key, value = self.layers[j].self_attn.swiftkv_key_value(normed, rope)
+                leader = self.layers[j].self_attn
+                entry = leader.swiftkv_cache_entry(normed, rope)
                 if past_key_values is not None:
-                    key, value = past_key_values.update(key, value, j)
-                leader_kv = (key, value)
+                    entry = past_key_values.update(*entry, j)
+                leader_kv = leader.swiftkv_expand(*entry)
             key_values[j] = leader_kv
         return key_values
 

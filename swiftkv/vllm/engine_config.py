@@ -11,12 +11,12 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from swiftkv.config import layer_types
 from swiftkv.modeling import FAMILIES
-from swiftkv.vllm.layout import SwiftKVLayout
+from swiftkv.vllm.layout import SERVED_FAMILIES, SwiftKVLayout
 
 logger = logging.getLogger(__name__)
 
 # Architecture -> the model_type its checkpoints carry (the HF classes' names, as in config.json).
-ARCHITECTURES = {model_cls.__name__: config_cls.model_type for config_cls, model_cls in FAMILIES.values()}
+ARCHITECTURES = {FAMILIES[family][1].__name__: FAMILIES[family][0].model_type for family in SERVED_FAMILIES}
 # Quantisation methods the model's layers take as they are (None: unquantised; fp8: vLLM's online
 # FP8 weight quantisation, which works on any linear layer). Checkpoint-quantised formats would
 # need their packed tensors mapped onto the SwiftKV projections, which we do not do.

@@ -9,11 +9,14 @@ from torch import nn
 from transformers import PretrainedConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
-from swiftkv.config import attention_head_dim, check_swiftkv_shape, qkv_has_bias
+from swiftkv.config import attention_head_dim, check_swiftkv_shape, has_qk_norm, qkv_has_bias
 from swiftkv.modeling import FAMILIES
 
-# The SwiftKV model types the plugin serves: those swiftkv.modeling defines.
-SERVED_MODEL_TYPES = tuple(config_cls.model_type for config_cls, _ in FAMILIES.values())
+# The families the plugin serves: swiftkv.modeling's, but DeepSeek-V2 (latent attention), whose vLLM
+# model is not written yet (docs/vllm.md).
+SERVED_FAMILIES = tuple(family for family in FAMILIES if family != "deepseek_v2")
+# The SwiftKV model types the plugin serves.
+SERVED_MODEL_TYPES = tuple(FAMILIES[family][0].model_type for family in SERVED_FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ class SwiftKVLayout:
     """Whether the output projection carries a bias."""
     mlp_bias: bool
     """Whether the MLP projections carry biases."""
+    qk_norm: bool
+    """Whether each query and key head is RMS-normed before rotary (Qwen3)."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm, the per-head ones included."""
     max_position: int
     """Largest position the rotary embedding is built for."""
     rope_parameters: dict | None
@@ -95,6 +102,8 @@ class SwiftKVLayout:
             qkv_bias=qkv_has_bias(config),
             o_proj_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=has_qk_norm(config),
+            rms_norm_eps=config.rms_norm_eps,
             max_position=getattr(config, "max_position_embeddings", 8192),
             rope_parameters=getattr(config, "rope_parameters", None),
         )

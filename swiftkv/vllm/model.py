@@ -1,4 +1,4 @@
-"""The SwiftKV decoder for vLLM, one class for Llama, Mistral and Qwen2, built from vLLM's parallel
+"""The SwiftKV decoder for vLLM, one class for Llama, Mistral, Qwen2 and Qwen3, built from vLLM's parallel
 layers so that it shards under tensor parallelism exactly like the base model.
 
 With ``config.swiftkv`` (cutoff ``c``, AcrossKV group size ``g``), per engine step:
@@ -47,6 +47,13 @@ def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     return config.sliding_window if layer_types(config)[layer_idx] == "sliding_attention" else None
 
 
+def per_head_norm(norm: nn.Module | None, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``x`` (``[tokens, heads * head_dim]``) with ``norm`` applied to each head; unchanged without one."""
+    if norm is None:
+        return x
+    return norm(x.view(*x.shape[:-1], -1, head_dim)).view(x.shape)
+
+
 class SwiftKVAttention(nn.Module):
     """Self-attention of one layer. Layers with their own KV use a fused ``qkv_proj``; layers after
     the cutoff only project queries (``q_proj_swiftkv``) and read their group's cache."""
@@ -84,6 +91,14 @@ class SwiftKVAttention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
+        if layout.qk_norm:  # Qwen3: each head RMS-normed before rotary; later layers use their SwiftKV copies
+            suffix = "_swiftkv" if self.kv_shared else ""
+            setattr(self, f"q_norm{suffix}", RMSNorm(heads.head_dim, eps=layout.rms_norm_eps))
+            if not self.kv_shared:
+                self.k_norm = RMSNorm(heads.head_dim, eps=layout.rms_norm_eps)
+            elif layer_idx in layout.leaders:  # read by the prefill unit, which writes the group's keys
+                self.k_norm_swiftkv = RMSNorm(heads.head_dim, eps=layout.rms_norm_eps)
+        self.head_dim = heads.head_dim
         self.rotary_emb = layout.rotary_emb()
         self.attn = Attention(
             heads.num_heads,
@@ -100,11 +115,14 @@ class SwiftKVAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.kv_shared:  # K/V are already in the group's cache
             q, _ = self.q_proj_swiftkv(hidden_states)
+            q = per_head_norm(getattr(self, "q_norm_swiftkv", None), q, self.head_dim)
             q, _ = self.rotary_emb(positions, q, None)
             out = self.attn(q, None, None)
         else:
             qkv, _ = self.qkv_proj(hidden_states)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = per_head_norm(getattr(self, "q_norm", None), q, self.head_dim)
+            k = per_head_norm(getattr(self, "k_norm", None), k, self.head_dim)
             q, k = self.rotary_emb(positions, q, k)
             out = self.attn(q, k, v)
         out, _ = self.o_proj(out)
@@ -171,6 +189,10 @@ class SwiftKVPrefill(nn.Module):
         self.kv_proj_swiftkv = model.kv_proj_swiftkv
         self.rotary_emb = model.layout.rotary_emb()
         self.kv_size = model.layout.heads.kv_size * model.layout.num_groups
+        self.head_dim = model.layout.heads.head_dim
+        # Qwen3: each group's keys through its leader's k_norm_swiftkv (a plain list: the modules stay the leaders').
+        leaders = model.layout.leaders if model.layout.qk_norm else []
+        self.k_norms = [model.layers[j].self_attn.k_norm_swiftkv for j in leaders]
 
     def forward(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None
@@ -179,6 +201,9 @@ class SwiftKVPrefill(nn.Module):
         hidden = run_layers(self.layers, positions, hidden)
         kv, _ = self.kv_proj_swiftkv(self.norm_swiftkv(hidden))
         key, value = kv.split([self.kv_size, self.kv_size], dim=-1)  # [k_0..k_G-1], [v_0..v_G-1]
+        if self.k_norms:
+            keys = key.chunk(len(self.k_norms), -1)
+            key = torch.cat([per_head_norm(n, k, self.head_dim) for n, k in zip(self.k_norms, keys, strict=True)], -1)
         key, _ = self.rotary_emb(positions, key, None)  # every group's keys in one call
         return hidden, key, value
 
@@ -355,4 +380,8 @@ class MistralSwiftKVForCausalLM(SwiftKVForCausalLM):
 
 
 class Qwen2SwiftKVForCausalLM(SwiftKVForCausalLM):
+    pass
+
+
+class Qwen3SwiftKVForCausalLM(SwiftKVForCausalLM):
     pass

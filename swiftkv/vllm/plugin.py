@@ -11,7 +11,7 @@ def register() -> None:
     """Register the SwiftKV configs with transformers and the architectures with vLLM."""
     from vllm import ModelRegistry
 
-    import swiftkv.modeling  # noqa: F401  (registers llama/mistral/qwen2_swiftkv with AutoConfig)
+    import swiftkv.modeling  # noqa: F401  (registers the SwiftKV configs with AutoConfig)
     from swiftkv.vllm.engine_config import ARCHITECTURES, SwiftKVEngineConfig
     from swiftkv.vllm.kv_internals import refuse_prompt_logprobs, register_config_hook
 

@@ -17,6 +17,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from swiftkv.vllm.layout import SwiftKVLayout
 
 _ATTN = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj(_swiftkv)?\.(weight|bias)")
+_HEAD_NORM = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qk])_norm(_swiftkv)?\.weight")  # Qwen3
 _MLP = re.compile(r"(model\.layers\.\d+\.mlp)\.(gate|up)_proj\.(weight|bias)")
 
 Target = tuple[str, str | int | None]  # (parameter name, shard id for fused parameters)
@@ -33,6 +34,13 @@ def target_of(name: str, layout: SwiftKVLayout, swiftkv: bool) -> Target | None:
     if match := _MLP.fullmatch(name):
         prefix, which, kind = match.groups()
         return f"{prefix}.gate_up_proj.{kind}", 0 if which == "gate" else 1
+    if match := _HEAD_NORM.fullmatch(name):  # loaded under their own names, where the layer uses them
+        layer, which, swiftkv_copy = int(match[1]), match[2], match[3] is not None
+        if swiftkv_copy != (layer >= layout.num_kv_layers):
+            return None  # a later layer's teacher norm, or a SwiftKV copy served as the base model
+        if swiftkv_copy and which == "k":
+            _check_leader(name, layer, layout)
+        return name, None
     if not (match := _ATTN.fullmatch(name)):
         return name, None
     layer, which, swiftkv_copy, kind = int(match[1]), match[2], match[3] is not None, match[4]
@@ -42,14 +50,18 @@ def target_of(name: str, layout: SwiftKVLayout, swiftkv: bool) -> Target | None:
         return None  # teacher q/k/v of a later layer: the student never uses them
     if which == "q":
         return name, None
+    _check_leader(name, layer, layout)
+    group = layout.group_of(layer)
+    return f"model.kv_proj_swiftkv.{kind}", group if which == "k" else layout.num_groups + group
+
+
+def _check_leader(name: str, layer: int, layout: SwiftKVLayout) -> None:
     if layer not in layout.leaders:
         raise ValueError(
             f"checkpoint tensor {name} belongs to layer {layer}, which is not an AcrossKV group leader "
             f"for num_key_value_layers={layout.num_kv_layers}, key_value_group_size={layout.group_size}: "
             "the checkpoint does not match its config"
         )
-    group = layout.group_of(layer)
-    return f"model.kv_proj_swiftkv.{kind}", group if which == "k" else layout.num_groups + group
 
 
 def swiftkv_tensor_shape(name: str, layout: SwiftKVLayout, hidden_size: int) -> tuple[int, ...] | None:
@@ -58,6 +70,8 @@ def swiftkv_tensor_shape(name: str, layout: SwiftKVLayout, hidden_size: int) -> 
     so our tensors are checked against the config before they are loaded."""
     if name == "model.norm_swiftkv.weight":
         return (hidden_size,)
+    if (match := _HEAD_NORM.fullmatch(name)) and match[3] is not None:
+        return (layout.heads.head_dim,)
     match = _ATTN.fullmatch(name)
     if match is None or match[3] is None:
         return None
@@ -119,6 +133,8 @@ def _check_swiftkv_tensors(seen: set[str], layout: SwiftKVLayout) -> None:
         attn = f"model.layers.{layer}.self_attn"
         projections = ("q", "k", "v") if layer in layout.leaders else ("q",)
         expected |= {f"{attn}.{p}_proj_swiftkv.{kind}" for p in projections for kind in kinds}
+        if layout.qk_norm:
+            expected |= {f"{attn}.{p}_norm_swiftkv.weight" for p in projections if p != "v"}
     if missing := sorted(expected - seen):
         raise ValueError(
             f"the checkpoint lacks {len(missing)} SwiftKV tensor(s) its config calls for "
