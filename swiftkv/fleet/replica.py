@@ -1,19 +1,21 @@
-"""One simulated replica: vLLM's engine as a fluid model of its chunked-prefill scheduler, a KV cache
-of prefix blocks with LRU eviction, and the real :class:`~serve_apps.load.LoadTracker` turning what
+"""One simulated replica: vLLM's engine as its chunked-prefill scheduler steps, a KV cache of
+prefix blocks with LRU eviction, and the real :class:`~serve_apps.load.LoadTracker` turning what
 happens into the figures a real replica publishes.
 
 Each engine step runs every decoding sequence one token (decode first, as vLLM does) and fills the
-rest of the token budget with prefill chunks, oldest request first. A step lasts
-``decode_step_s(batch, context) + prefill_tokens / prefill_rate(prompt length)``. The step's shape is
-set at each event (an arrival, a prefill finishing, a sequence finishing) and holds until the next,
-so the replica jumps from event to event: steps are counted as a continuous quantity and never
-simulated one by one.
+rest of the token budget with prefill chunks, oldest request first; it lasts
+``decode_step_s(batch, context) + sum(chunk / prefill_rate(prompt length))``. A prompt whose last
+chunk is in a step gets its first token when the step ends, together with every other prompt
+finishing there; requests arriving during a step join at the next one. Steps that would repeat
+identically (decode only, or one prompt taking the whole budget) run as one event, so the replica
+jumps from change to change instead of simulating every step; an arrival during a decode-only run
+cuts it at the next step boundary.
 
-A request is admitted (its KV reserved: its prompt's blocks, shared with any other request holding
-them, and room for its whole output) when it fits and the sequence cap allows; until then it waits
-in the engine's queue, as in vLLM. Blocks no running request holds stay cached until evicted, least
-recently used first. Its prompt is served from that cache up to its longest run of leading blocks
-present (vLLM computes at least the last prompt token).
+A request is admitted (at a step boundary; its KV reserved: its prompt's blocks, shared with any
+other request holding them, and room for its whole output) when it fits and the sequence cap allows;
+until then it waits in the engine's queue, as in vLLM. Blocks no running request holds stay cached
+until evicted, least recently used first. Its prompt is served from that cache up to its longest run
+of leading blocks present (vLLM computes at least the last prompt token).
 """
 
 from __future__ import annotations
@@ -66,7 +68,6 @@ class Replica:
         self.draining_since: float | None = None
         self.stopped_s: float | None = None
         self.tracker = LoadTracker(capacity)  # the calibrated figure it publishes
-        self.now = ready_s
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: deque[SimRequest] = deque()
         self.decoding: list[tuple[float, int, SimRequest]] = []  # heap on finish step
@@ -76,7 +77,8 @@ class Replica:
         self.pins: dict[int, int] = {}  # block -> running requests holding it
         self.cache: OrderedDict[int, None] = OrderedDict()  # blocks nobody holds, oldest first
         self.private_blocks = 0  # outputs' room and prompt blocks without a hash
-        self.shape = (0.0, 0.0)  # (seconds per step, prefill tokens per step) until the next event
+        # The run in progress: (start, seconds per step, steps, [(request, prefill tokens per step)]).
+        self.run: tuple[float, float, int, list[tuple[SimRequest, int]]] | None = None
 
     # -- what the rest of the fleet reads -------------------------------------------------------
     @property
@@ -89,64 +91,68 @@ class Replica:
 
     def load(self, now: float) -> ReplicaLoad:
         """The figures this replica publishes now (the real tracker's snapshot)."""
-        self.advance(now)
         self.tracker.on_scheduler(len(self.prefilling) + len(self.decoding), len(self.waiting), self.kv_usage)
         return self.tracker.snapshot(now, float(self.queued_prompt_tokens))
 
     # -- the engine -----------------------------------------------------------------------------
-    def _reshape(self) -> None:
-        """The step's shape from the state at an event: decode sequences first, then prefill chunks
-        up to the token budget (a last chunk smaller than the budget makes a shorter step)."""
+    def _plan(self, now: float) -> None:
+        """Start the next run of identical steps at ``now`` (or go idle)."""
         batch = len(self.decoding)
-        prefill = 0.0
-        if self.prefilling:
-            prefill = min(max(0, self.budget - batch), sum(r.remaining for r in self.prefilling))
-        seconds = self.costs.decode_step_s(batch, self.context_tokens)
-        if prefill > 0:
-            seconds += prefill / self.costs.prefill_rate(self.prefilling[0].input_tokens)
-        self.shape = (seconds, prefill)
-
-    def advance(self, t: float) -> None:
-        """Run the engine up to ``t`` (no event of this replica may fall before ``t``)."""
-        dt = t - self.now
-        if dt <= 0:
-            return
-        seconds, prefill = self.shape
-        if seconds > 0:
-            steps = dt / seconds
-            self.steps += steps
-            self.context_tokens += len(self.decoding) * steps
-            work = prefill * steps
-            for request in self.prefilling:  # oldest first
-                done = min(work, request.remaining)
-                request.remaining -= done
-                work -= done
-                if work <= 0:
+        decode_s = self.costs.decode_step_s(batch, self.context_tokens)
+        room = max(0, self.budget - batch)
+        until_decode_done = max(1, math.ceil(self.decoding[0][0] - self.steps - EPS)) if self.decoding else math.inf
+        chunks: list[tuple[SimRequest, int]] = []
+        if self.prefilling and room:
+            head = self.prefilling[0]
+            if head.remaining > room:  # the head takes the whole budget, step after step
+                count = min(math.ceil(head.remaining / room) - 1, until_decode_done)
+                self.run = (now, decode_s + room / self.costs.prefill_rate(head.input_tokens), count, [(head, room)])
+                return
+            for request in self.prefilling:
+                take = min(request.remaining, room)
+                chunks.append((request, take))
+                room -= take
+                if not room:
                     break
-        self.now = t
+        if not chunks and not batch:
+            self.run = None
+            return
+        seconds = decode_s + sum(take / self.costs.prefill_rate(r.input_tokens) for r, take in chunks)
+        self.run = (now, seconds, 1 if chunks else until_decode_done, chunks)
 
     def next_event_s(self) -> float:
-        """When the next prefill or sequence finishes if nothing arrives (``inf`` when idle)."""
-        seconds, prefill = self.shape
-        soonest = math.inf
-        if prefill > 0:
-            soonest = self.now + self.prefilling[0].remaining / (prefill / seconds)
-        if self.decoding:
-            soonest = min(soonest, self.now + max(0.0, self.decoding[0][0] - self.steps) * seconds)
-        return soonest
+        """When the run in progress ends (``inf`` when idle)."""
+        if self.run is None:
+            return math.inf
+        start, seconds, count, _ = self.run
+        return start + seconds * count
 
     def add(self, request: SimRequest, now: float) -> None:
-        """A request routed here."""
-        self.advance(now)
+        """A request routed here: it joins the engine's queue, taken up at the next step."""
         request.replica = self.number
         self.waiting.append(request)
         self.queued_prompt_tokens += request.input_tokens
-        self._admit()
-        self._reshape()
+        if self.run is None:
+            self._admit()
+            self._plan(now)
+        elif not self.run[3]:  # decode only: the new prompt joins at the next step boundary
+            start, seconds, count, _ = self.run
+            done = min(count, math.ceil((now - start) / seconds - EPS))
+            if done <= 0:
+                self.run = None
+                self._admit()
+                self._plan(now)
+            else:
+                self.run = (start, seconds, done, [])
 
     def on_event(self, t: float) -> list[SimRequest]:
-        """Run to ``t`` and settle what finished there; returns the requests that finished."""
-        self.advance(t)
+        """The run ends at ``t``: settle what finished, admit, start the next run; returns the requests
+        that finished."""
+        _, _, count, chunks = self.run
+        self.steps += count
+        self.context_tokens += len(self.decoding) * count
+        for request, take in chunks:
+            request.remaining -= take * count
         finished = []
         while self.prefilling and self.prefilling[0].remaining <= EPS:
             request = self.prefilling.popleft()
@@ -167,7 +173,7 @@ class Replica:
         if not self.decoding:
             self.context_tokens = 0.0  # no drift from rounding
         self._admit()
-        self._reshape()
+        self._plan(t)
         return finished
 
     # -- KV cache -------------------------------------------------------------------------------

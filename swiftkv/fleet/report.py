@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from swiftkv.fleet.config import FleetConfig, FleetSettings, TrafficConfig
 from swiftkv.fleet.plots import timeline_png
-from swiftkv.fleet.profile import Profile
+from swiftkv.fleet.profile import Profile, ReplicaCosts
 from swiftkv.fleet.results import summarize, timeline
 from swiftkv.fleet.simulator import simulate
 from swiftkv.fleet.trace import Trace
@@ -97,15 +97,15 @@ class Grid:
             scaling["target_ongoing_requests"] = target
         return FleetConfig(**settings, model=variant)
 
-    def run(self, variant: str, policy: str, router: str, replicas: int, target: float | None = None
-            ) -> dict[str, Any]:
+    def run(self, variant: str, policy: str, router: str, replicas: int, target: float | None = None,
+            miss_budget: int | None = None) -> dict[str, Any]:
         label = run_key(variant, policy, router) + (f" x{replicas}" if policy == "static" else "")
         fleet = self.fleet(variant, policy, router, replicas, target)
         with tqdm(total=round(self.trace.duration_s), desc=label, unit="sim s", leave=False) as bar:
             def progress(now: float) -> None:
                 bar.update(min(round(now), bar.total) - bar.n)
 
-            result = simulate(fleet, self.trace, self.profile, progress)
+            result = simulate(fleet, self.trace, self.profile, progress, miss_budget)
         return {"summary": summarize(result, self.cfg.fleet.slo_ttft_s),
                 "timeline": timeline(result, self.cfg.fleet.timeline_period_s),
                 "target_ongoing_requests": None if policy == "static" else fleet.autoscaling.target_ongoing_requests}
@@ -113,14 +113,21 @@ class Grid:
     def static(self, variant: str, router: str, guess: int) -> dict[str, Any]:
         """The smallest static fleet meeting the attainment target, to within 5% (bisection from ``guess``)."""
         target = self.cfg.slo_attainment_target
+        slo = self.cfg.fleet.slo_ttft_s
+        costs = ReplicaCosts.from_figures(self.profile.figures(variant))
+        feasible = sum(1 for r in self.trace.requests if r.input_tokens / costs.prefill_rate(r.input_tokens) <= slo)
+        budget = math.floor((1 - target) * feasible)  # a probe that misses more has failed: stop it there
         probes: dict[int, dict[str, Any]] = {}
 
         def meets(n: int) -> bool:
             if n not in probes:
-                probes[n] = self.run(variant, "static", router, n)
-                tqdm.write(f"{run_key(variant, 'static', router)} x{n}: attainment "
-                           f"{probes[n]['summary']['feasible_slo_attainment']:.2%} of feasible requests")
-            return probes[n]["summary"]["feasible_slo_attainment"] >= target
+                probes[n] = self.run(variant, "static", router, n, miss_budget=budget)
+                summary = probes[n]["summary"]
+                tqdm.write(f"{run_key(variant, 'static', router)} x{n}: " + (
+                    "over the miss budget, stopped" if summary["stopped_early"] else
+                    f"attainment {summary['feasible_slo_attainment']:.2%} of feasible requests"))
+            return not probes[n]["summary"]["stopped_early"] and \
+                probes[n]["summary"]["feasible_slo_attainment"] >= target
 
         cap = self.cfg.fleet.autoscaling.max_replicas
         high = min(max(1, guess), cap)
@@ -138,7 +145,10 @@ class Grid:
                 else:
                     low = mid
         best = probes[high]
-        best["probes"] = {n: p["summary"]["feasible_slo_attainment"] for n, p in sorted(probes.items())}
+        if best["summary"]["stopped_early"]:  # even the largest fleet fails: run it through for its figures
+            best = self.run(variant, "static", router, high)
+        best["probes"] = {n: "failed (stopped early)" if p["summary"]["stopped_early"] else
+                          p["summary"]["feasible_slo_attainment"] for n, p in sorted(probes.items())}
         return best
 
     def guess(self, variant: str) -> int:

@@ -53,6 +53,7 @@ def summarize(run: RunResult, slo_ttft_s: float) -> dict[str, Any]:
         "scale_events": len(run.scale_events),
         "scale_events_per_hour": len(run.scale_events) / hours if hours else math.nan,
         "duration_s": span,
+        "stopped_early": run.stopped_early,
     }
 
 

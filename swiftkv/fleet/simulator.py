@@ -40,13 +40,14 @@ class RunResult:
     end_s: float
     initial_replicas: int
     idle_ttft_s: list[float]  # each request's prefill time alone on an idle replica (its best TTFT)
+    stopped_early: bool = False  # the miss budget ran out: a partial run
 
 
 class Simulation:
     """One fleet run (see :func:`simulate`)."""
 
     def __init__(self, cfg: FleetConfig, trace: Trace, profile: Profile,
-                 progress: Callable[[float], None] | None = None) -> None:
+                 progress: Callable[[float], None] | None = None, miss_budget: int | None = None) -> None:
         self.cfg = cfg
         self.figures = profile.figures(cfg.model)
         self.costs = ReplicaCosts.from_figures(self.figures)
@@ -63,6 +64,9 @@ class Simulation:
         self.requests = [SimRequest(i, r.arrival_s, r.input_tokens, max(1, r.output_tokens), r.blocks)
                          for i, r in enumerate(trace.requests)]
         self.progress = progress
+        self.idle_ttft = [r.input_tokens / self.costs.prefill_rate(r.input_tokens) for r in self.requests]
+        self.miss_budget = miss_budget
+        self.misses = 0
         self.now = 0.0
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = 0
@@ -184,7 +188,17 @@ class Simulation:
 
     # -- the loop -------------------------------------------------------------------------------
     def done(self) -> bool:
-        return self.finished == len(self.requests) or self.now > self.last_arrival + self.cfg.tail_limit_s
+        return (self.finished == len(self.requests) or self.now > self.last_arrival + self.cfg.tail_limit_s
+                or self.stopped_early)
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.miss_budget is not None and self.misses > self.miss_budget
+
+    def count_misses(self, finished: list[SimRequest]) -> None:
+        """Requests an idle replica would have answered within the SLO but this fleet did not."""
+        slo = self.cfg.slo_ttft_s
+        self.misses += sum(1 for r in finished if r.ttft_s > slo and self.idle_ttft[r.index] <= slo)
 
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -219,6 +233,7 @@ class Simulation:
                 for request in finished:
                     self.router.on_finished(self.handles[number], request)
                 self.finished += len(finished)
+                self.count_misses(finished)
                 self.reschedule(replica)
                 self._retire_if_idle(number)
                 if finished:
@@ -240,14 +255,15 @@ class Simulation:
         for replica in self.replicas.values():
             if replica.stopped_s is None:
                 replica.stopped_s = end
-        idle = [r.input_tokens / self.costs.prefill_rate(r.input_tokens) for r in self.requests]
         return RunResult(self.requests, [(r.started_s, r.stopped_s) for r in self.replicas.values()],
-                         self.scale_events, self.timeline, end, self.initial_replicas, idle)
+                         self.scale_events, self.timeline, end, self.initial_replicas, self.idle_ttft,
+                         self.stopped_early)
 
 
-def simulate(cfg: FleetConfig, trace: Trace, profile: Profile,
-             progress: Callable[[float], None] | None = None) -> RunResult:
-    """Replay ``trace`` through the fleet ``cfg`` describes."""
+def simulate(cfg: FleetConfig, trace: Trace, profile: Profile, progress: Callable[[float], None] | None = None,
+             miss_budget: int | None = None) -> RunResult:
+    """Replay ``trace`` through the fleet ``cfg`` describes; stop early once more than ``miss_budget``
+    requests that could have met the SLO have missed it (a fleet search needs only pass or fail)."""
     random.seed(cfg.seed)  # Serve's power-of-two router draws from the global generator
-    simulation = Simulation(cfg, trace, profile, progress)
+    simulation = Simulation(cfg, trace, profile, progress, miss_budget)
     return asyncio.run(simulation.run())
