@@ -1,11 +1,16 @@
-"""Distillation step throughput and where the step time goes, on one device (no Ray, no DeepSpeed).
+"""The distillation step, current vs new, side by side in one run: step time and activation memory.
 
-    python benchmarks/bench_distill.py --model bundled --num-key-value-layers 15 --seq-len 512 --steps 6
+    python -m benchmarks.bench_distill --models bundled random-llama --seq-len 512 --steps 4
 
-Each step is timed in phases: teacher forward (no grad), student forward, loss (chunked KL through
-the LM head, including its gradient), backward, optimizer. Tokens/s counts every token of the
-packed rows. Use the per-phase shares to size the GPU recipes: the paper distils 680M tokens
-in 3 h on 8 H100 for Llama-3.1-8B (about 7.9K tokens/s per GPU). Writes the numbers as JSON.
+"current" runs the teacher and the student whole (layers ``0..c-1`` twice, the student keeping
+their activations); "new" (``train.reuse_teacher_prefix``, the default) runs layers ``0..c-1``
+once and starts both from the state entering layer ``c``. Both compute the same loss and gradients
+(``tests/test_distill_loss.py`` checks it bit for bit). The two variants alternate step by step on
+the same packed bundled conversations, so machine load hits both alike. A step is the objective's
+forward (teacher, student, chunked KL through the LM head) and backward; the optimizer, the same for
+both, is left out. Activation memory is what autograd saves for backward (bytes of the distinct
+tensors, measured with saved-tensor hooks on any device); on CUDA the peak allocated memory of the
+step is reported too. One process, no Ray or DeepSpeed. Writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -14,36 +19,27 @@ import argparse
 import json
 import statistics
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from swiftkv.bundled import bundled_chat_data
+from benchmarks.random_llama import NAME as RANDOM_LLAMA
+from benchmarks.random_llama import random_llama
+from swiftkv.bundled import bundled_chat_data, copy_bundled_tokenizer
 from swiftkv.distill.chat_tokens import tokenize_chat
 from swiftkv.distill.data import load_tokenizer, pad_id
-from swiftkv.distill.loss import chunked_kl_sum
 from swiftkv.distill.model_io import load_student
 from swiftkv.distill.objective import DistillationObjective, freeze_all_but_swiftkv
 from swiftkv.distill.packing import pack_rows
 from swiftkv.model_source import resolve_model
 
-PHASES = ("teacher_forward", "student_forward", "loss", "backward", "optimizer")
+VARIANTS = {"current": False, "new": True}  # name -> reuse_teacher_prefix
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-@contextmanager
-def _timed(times: dict[str, list[float]], phase: str):
-    _sync()
-    start = time.perf_counter()
-    yield
-    _sync()
-    times[phase].append(time.perf_counter() - start)
 
 
 def packed_batches(tokenizer, seq_len: int, batch_size: int, count: int) -> list[dict[str, torch.Tensor]]:
@@ -58,77 +54,120 @@ def packed_batches(tokenizer, seq_len: int, batch_size: int, count: int) -> list
     ]
 
 
+class SavedBytes:
+    """Bytes of the distinct tensors autograd saves for backward while open."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, int], int] = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        self.seen[(storage.data_ptr(), tensor.device.index or 0)] = storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> SavedBytes:
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+def model_path(name: str, work: Path) -> str:
+    """A checkpoint folder for ``bundled`` (or any model reference) or the random Llama."""
+    if name != RANDOM_LLAMA:
+        return resolve_model(name)
+    path = work / RANDOM_LLAMA
+    if not (path / "config.json").is_file():
+        random_llama().save_pretrained(path)
+        copy_bundled_tokenizer(path)
+    return str(path)
+
+
+def measure(path: str, args: argparse.Namespace, device: torch.device) -> dict:
+    tokenizer = load_tokenizer(path)
+    model = load_student(path, None, 1, getattr(torch, args.dtype)).to(device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    trainable = freeze_all_but_swiftkv(model)
+    model.train()
+    objectives = {name: DistillationObjective(model, 2.0, 0.0, args.chunk, reuse_teacher_prefix=reuse)
+                  for name, reuse in VARIANTS.items()}
+    batches = packed_batches(tokenizer, args.seq_len, args.batch_size, args.steps + 1)
+    seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    saved: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    for i, batch in enumerate(batches):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        scale = 1.0 / max(int(batch["loss_mask"].sum()), 1)
+        for name, objective in objectives.items():
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            _sync()
+            start = time.perf_counter()
+            with SavedBytes() as bytes_saved:
+                loss = objective(**batch, token_scale=scale).loss
+            loss.backward()
+            _sync()
+            elapsed = time.perf_counter() - start
+            for p in trainable:
+                p.grad = None
+            if i == 0:
+                continue  # warm-up
+            seconds[name].append(elapsed)
+            saved[name] = bytes_saved.total
+            if torch.cuda.is_available():
+                peak[name] = torch.cuda.max_memory_allocated() - before
+        if i:
+            print(f"step {i}/{args.steps}: " + ", ".join(f"{n} {seconds[n][-1]:.2f}s" for n in VARIANTS), flush=True)
+    step = {name: statistics.median(times) for name, times in seconds.items()}
+    return {
+        "num_hidden_layers": model.config.num_hidden_layers,
+        "num_key_value_layers": model.config.num_key_value_layers,
+        "step_s_median": step,
+        "step_ratio_new_over_current": step["new"] / step["current"],
+        "tokens_per_s": {name: args.seq_len * args.batch_size / s for name, s in step.items()},
+        "activation_bytes": saved,
+        "activation_ratio_new_over_current": saved["new"] / saved["current"],
+        **({"cuda_peak_bytes": peak} if peak else {}),
+        "trainable_params": sum(p.numel() for p in trainable),
+        "total_params": sum(p.numel() for p in model.parameters()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="bundled", help="base or SwiftKV checkpoint (default: bundled SmolLM2)")
-    parser.add_argument("--num-key-value-layers", type=int, default=None, help="cutoff c (default: half)")
+    parser.add_argument("--models", nargs="+", default=["bundled", RANDOM_LLAMA],
+                        help=f"model references, or {RANDOM_LLAMA!r} (default: bundled SmolLM2 and the random Llama); "
+                        "each at 50%% SwiftKV")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps (after one warm-up step)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per variant (after one warm-up step)")
     parser.add_argument("--chunk", type=int, default=256, help="loss chunk (tokens)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--work-dir", type=Path, default=Path(".cache/bench_distill"))
     parser.add_argument("--out", type=Path, default=Path("artifacts/bench_distill.json"))
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    path = resolve_model(args.model)
-    tokenizer = load_tokenizer(path)
-    model = load_student(path, args.num_key_value_layers, 1, getattr(torch, args.dtype)).to(device)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    trainable = freeze_all_but_swiftkv(model)
-    objective = DistillationObjective(model, temperature=2.0, hidden_loss_weight=0.0, chunk_tokens=args.chunk)
-    optimizer = torch.optim.AdamW(trainable, lr=3e-4, weight_decay=0.05)
-    head = model.get_output_embeddings()
-    batches = packed_batches(tokenizer, args.seq_len, args.batch_size, args.steps + 1)
-
-    times: dict[str, list[float]] = {p: [] for p in PHASES}
-    for i, batch in enumerate(batches):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        step_times: dict[str, list[float]] = {p: [] for p in PHASES}
-        ids, pos, selected = batch["input_ids"], batch["position_ids"], batch["loss_mask"].bool()
-        with _timed(step_times, "teacher_forward"), torch.no_grad():
-            teacher = objective.hidden(False, ids, pos).last_hidden_state
-        with _timed(step_times, "student_forward"):
-            student = objective.hidden(True, ids, pos).last_hidden_state
-        with _timed(step_times, "loss"):
-            width = student.shape[-1]
-            kl = chunked_kl_sum(
-                head, student.reshape(-1, width), teacher.reshape(-1, width), selected.reshape(-1), 2.0, args.chunk
-            )
-            loss = kl / selected.sum().clamp(min=1) * 4.0
-        with _timed(step_times, "backward"):
-            loss.backward()
-        with _timed(step_times, "optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if i == 0:
-            continue  # warm-up
-        for p in PHASES:
-            times[p] += step_times[p]
-        total = sum(step_times[p][0] for p in PHASES)
-        print(f"step {i}/{args.steps}: {total:.2f}s, {ids.numel() / total:.0f} tok/s", flush=True)
-
-    step = [sum(times[p][i] for p in PHASES) for i in range(args.steps)]
-    result = {
-        "model": args.model,
-        "num_key_value_layers": model.config.num_key_value_layers,
-        "num_hidden_layers": model.config.num_hidden_layers,
-        "device": str(device),
-        "dtype": args.dtype,
-        "seq_len": args.seq_len,
-        "batch_size": args.batch_size,
-        "steps": args.steps,
-        "tokens_per_s": args.seq_len * args.batch_size / statistics.median(step),
-        "step_s_median": statistics.median(step),
-        "share": {p: sum(times[p]) / sum(step) for p in PHASES},
-        "trainable_params": sum(p.numel() for p in trainable),
-        "total_params": sum(p.numel() for p in model.parameters()),
-    }
+    results = {"device": str(device), "dtype": args.dtype, "seq_len": args.seq_len, "batch_size": args.batch_size,
+               "steps": args.steps, "gradient_checkpointing": args.gradient_checkpointing, "models": {}}
+    for name in args.models:
+        print(f"== {name}", flush=True)
+        results["models"][name] = measure(model_path(name, args.work_dir), args, device)
+        r = results["models"][name]
+        print(f"{name}: step new/current {r['step_ratio_new_over_current']:.3f}, "
+              f"activation memory new/current {r['activation_ratio_new_over_current']:.3f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ the median student/teacher time ratio beside the FLOPs model's prediction. Model
 SmolLM2-135M-Instruct and a larger random Llama. Ratios, not absolute times, are the result:
 this machine's timings are noisy.
 
-    .venv/bin/python benchmarks/bench_prefill.py --out artifacts/bench_prefill
+    .venv/bin/python -m benchmarks.bench_prefill --out artifacts/bench_prefill
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+from benchmarks.random_llama import random_llama
 from swiftkv.analysis.flops import predicted_prefill_ratio
 from swiftkv.bundled import ensure_bundled_model
 from swiftkv.config import cutoff_from_fraction
 from swiftkv.convert import convert_model
-from swiftkv.random_llama import random_llama
 
 log = logging.getLogger("bench_prefill")
 

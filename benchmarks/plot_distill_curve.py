@@ -1,7 +1,7 @@
 """Plot the recovery curve of a distillation run: held-out KL to the teacher and top-1 agreement
 against the optimizer step, from ``heldout_curve.json`` in the run's final checkpoint.
 
-    python benchmarks/plot_distill_curve.py artifacts/distill/smollm2-135m-swiftkv-50/step_00000080 \
+    python -m benchmarks.plot_distill_curve artifacts/distill/smollm2-135m-swiftkv-50/step_00000080 \
         --out artifacts/distill_curve.png
 
 Step 0 is the rewired model with no distillation (the SPEC initialisation); the teacher itself is

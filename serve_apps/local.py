@@ -143,18 +143,20 @@ def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None,
         print(f"swiftkv serve: {stop}: draining in-flight requests, then stopping", flush=True)
         return 0
     finally:
-        if started:
-            from ray import serve
+        try:
+            if started:
+                from ray import serve
 
-            try:
-                # Deleting the application drains it: its replicas stop taking requests and finish the
-                # ones in flight (within graceful_shutdown_timeout_s) while the proxy still relays them.
-                # serve.shutdown() alone would stop the proxy first and cut open streams.
-                serve.delete(APP_NAME)
-                serve.shutdown()
-            finally:
-                ray.shutdown()
-        left = stop_leftovers()
-        if left:
-            log.warning("stopped %d leftover process(es): %s", len(left), "; ".join(left))
-        print("swiftkv serve: stopped", flush=True)
+                try:
+                    # Deleting the application drains it: its replicas stop taking requests and finish
+                    # the ones in flight (within graceful_shutdown_timeout_s) while the proxy still
+                    # relays them. serve.shutdown() alone would stop the proxy first and cut open streams.
+                    serve.delete(APP_NAME)
+                    serve.shutdown()
+                finally:
+                    ray.shutdown()
+        finally:  # even when Serve's own shutdown failed or timed out
+            left = stop_leftovers()
+            if left:
+                log.warning("stopped %d leftover process(es): %s", len(left), "; ".join(left))
+            print("swiftkv serve: stopped", flush=True)

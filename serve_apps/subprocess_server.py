@@ -3,6 +3,7 @@ as a user would (it drains, stops Serve and Ray and leaves nothing), for jobs th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 SWIFTKV = str(Path(sys.executable).parent / "swiftkv")
 READY = "swiftkv serve: ready in "
@@ -63,6 +66,12 @@ class ServeProcess:
             try:
                 self.proc.wait(self.stop_s)
             except subprocess.TimeoutExpired:  # it had its chance to drain: never leave it running
+                # Its descendants (Ray, replicas, vLLM engines) too: killed, it could not stop them.
+                family = psutil.Process(self.proc.pid).children(recursive=True)
                 self.proc.kill()
                 self.proc.wait(30)
+                for child in family:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        child.kill()
+                psutil.wait_procs(family, timeout=30)
         self.exit_code = self.proc.returncode

@@ -78,6 +78,8 @@ def _convert(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from swiftkv.config import with_legacy_rope_fields
+
     path = gguf_path()
     logger.info("converting %s (one time) into %s", path, out)
     gguf_model = load_gguf_model()
@@ -92,6 +94,9 @@ def _convert(out: Path) -> None:
     model.tie_weights()
     model.generation_config = gguf_model.generation_config
     model.save_pretrained(out)
+    # RoPE also where transformers 4.x reads it (see with_legacy_rope_fields).
+    config_file = out / "config.json"
+    config_file.write_text(json.dumps(with_legacy_rope_fields(json.loads(config_file.read_text())), indent=2))
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
 
 

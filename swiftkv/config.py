@@ -29,6 +29,11 @@ class SwiftKVFields:
         super().__post_init__(**kwargs)
         self.validate_swiftkv()
 
+    def to_dict(self) -> dict:
+        """The config as saved, with RoPE also in the form transformers 4.x reads (see
+        :func:`with_legacy_rope_fields`)."""
+        return with_legacy_rope_fields(super().to_dict())
+
     def validate_swiftkv(self) -> None:
         """Fill the cutoff default and check the SwiftKV fields against the layer count."""
         num_layers = self.num_hidden_layers
@@ -37,9 +42,44 @@ class SwiftKVFields:
         check_swiftkv_shape(num_layers, self.num_key_value_layers, self.key_value_group_size)
 
 
+DEFAULT_SIMSCORE_THRESHOLD = 0.5
+"""SimScore level from which a cutoff is recommended: where the curve passes about 0.5 near half
+depth, 50% SwiftKV tends to work (SPEC.md)."""
+
+
+def layer_types(config) -> list[str]:
+    """Per-layer attention kind: Qwen2 lists them; Mistral's window (if any) covers all layers.
+    A config fact read by the HF model, the vLLM model and the cost model alike."""
+    if getattr(config, "layer_types", None):
+        return list(config.layer_types)
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return [kind] * config.num_hidden_layers
+
+
+def with_legacy_rope_fields(fields: dict) -> dict:
+    """``fields`` (a config dict) plus RoPE as transformers 4.x reads it: top-level ``rope_theta`` and
+    ``rope_scaling`` (``None`` for plain RoPE).
+
+    transformers 5 keeps RoPE in ``rope_parameters`` (theta included) and reads either form; 4.x
+    reads only the top-level keys and, without them, silently uses theta 10000 with no scaling (a
+    converted Llama-3.1 or Qwen2.5 would then give wrong logits there). Per-layer-type RoPE (a
+    nested ``rope_parameters``) has no 4.x form and is left as it is."""
+    params = fields.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        return fields
+    scaling = {key: value for key, value in params.items() if key != "rope_theta"}
+    plain = scaling.get("rope_type", "default") == "default"
+    return {**fields, "rope_theta": params["rope_theta"], "rope_scaling": None if plain else scaling}
+
+
+DEFAULT_SKIPPED_SHARE = 0.5
+"""The paper's 50% SwiftKV: the share of layers prompt tokens skip when no cutoff is given."""
+
+
 def default_cutoff(num_layers: int) -> int:
-    """The cutoff when none is given: half the layers (the paper's 50% SwiftKV)."""
-    return num_layers // 2
+    """The cutoff when none is given, for every entry point (config, ``swiftkv convert``, jobs):
+    50% SwiftKV by the rule of :func:`cutoff_from_fraction` (``ceil(L / 2)`` for odd ``L``)."""
+    return cutoff_from_fraction(num_layers, DEFAULT_SKIPPED_SHARE)
 
 
 def check_swiftkv_shape(num_layers: int, num_key_value_layers: int, key_value_group_size: int) -> None:

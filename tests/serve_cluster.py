@@ -32,11 +32,15 @@ class Endpoint:
 
 
 def engine_processes() -> list[psutil.Process]:
-    """vLLM engine-core and worker processes on this machine."""
+    """Live vLLM engine-core and worker processes (and Serve replicas) on this machine.
+
+    Zombies are left out: they have exited and hold nothing but a process-table entry. An engine
+    worker orphaned when its engine core exits is reparented to PID 1, and in a container whose
+    PID 1 is not an init (as on CI) nobody ever reaps it."""
     found = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
         text = f"{proc.info['name']} {' '.join(proc.info['cmdline'] or [])}"
-        if "VLLM::" in text or "ServeReplica" in text:
+        if ("VLLM::" in text or "ServeReplica" in text) and proc.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(proc)
     return found
 

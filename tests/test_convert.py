@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import swiftkv  # noqa: F401
+import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.cli import main as cli
 from swiftkv.convert import convert_model
 from tests.tiny import save_tiny_base
@@ -89,3 +89,33 @@ def test_unsupported_family_is_refused(tmp_path):
     swift = convert_model(save_tiny_base(tmp_path, "llama"))
     with pytest.raises(ValueError, match="already a SwiftKV model"):
         convert_model(swift)
+
+
+def test_a_sharded_base_is_converted_shard_by_shard_without_loading_the_model(tmp_path, monkeypatch):
+    """The base's shards are copied as they are and the SwiftKV tensors written as one more shard;
+    the model is never loaded (a 70B base would need 140 GB of memory)."""
+    import swiftkv.convert
+    from swiftkv.convert import convert_checkpoint
+
+    base = save_tiny_base(tmp_path / "single", "qwen2", num_hidden_layers=6)
+    base.save_pretrained(tmp_path / "base", max_shard_size="200KB")
+    for f in (tmp_path / "single").iterdir():  # the tokenizer and chat template
+        if not (tmp_path / "base" / f.name).exists() and f.suffix != ".safetensors":
+            (tmp_path / "base" / f.name).write_bytes(f.read_bytes())
+    shards = sorted((tmp_path / "base").glob("model-*.safetensors"))
+    assert len(shards) > 2
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the base model was loaded whole")
+
+    monkeypatch.setattr(swiftkv.convert, "load_base_model", no_load)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
+    out = convert_checkpoint(str(tmp_path / "base"), tmp_path / "swift", num_key_value_layers=2, key_value_group_size=2)
+    monkeypatch.undo()
+    for shard in shards:  # copied byte for byte
+        assert (out / shard.name).read_bytes() == shard.read_bytes()
+    assert (out / "model-swiftkv.safetensors").is_file() and "chat_template" in "".join(p.name for p in out.iterdir())
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    expected = convert_model(base, 2, 2).state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    assert all(torch.equal(t, expected[n]) for n, t in loaded.state_dict().items())

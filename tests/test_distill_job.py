@@ -16,12 +16,15 @@ import boto3
 import psutil
 import pytest
 import ray
+import s3fs
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import swiftkv  # noqa: F401
+import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from ray_jobs.distill import run
 from swiftkv.bundled import copy_bundled_tokenizer, ensure_bundled_model
+from swiftkv.cli import main as cli
 from swiftkv.distill.config import DataConfig, parse_config
 from swiftkv.distill.data import build_datasets
 from tests.distill_data import sharegpt_rows, ultrachat_rows, write_jsonl, write_parquet
@@ -84,7 +87,7 @@ def _config(model: Path, sources: list[dict], out: Path | str, **sections) -> di
     return tree
 
 
-def test_s3_data_and_storage_zero3_distils_and_checkpoint_generates(ray_cluster, s3_data, tmp_path):
+def test_s3_data_and_storage_zero3_distils_and_checkpoints_what_changes(ray_cluster, s3_data, tmp_path):
     # Random SwiftKV weights: the student starts far from the teacher, so recovery must show.
     model = tiny_swiftkv_model("llama", num_hidden_layers=4, num_key_value_layers=2)
     model.save_pretrained(tmp_path / "tiny")
@@ -95,9 +98,11 @@ def test_s3_data_and_storage_zero3_distils_and_checkpoint_generates(ray_cluster,
     assert result.error is None
     final = result.metrics
     assert final["step"] == 8 and final["resumed_from_step"] == -1
-    # Held-out KL to the teacher at least halves in 8 steps.
+    # Held-out KL to the teacher at least halves in 8 steps, on the very same held-out rows.
     assert final["heldout_kl"] < 0.5 * final["heldout_kl_at_start"], final
+    assert final["heldout_tokens"] == final["heldout_tokens_at_start"]
 
+    # The last checkpoint holds the full model: it loads, only the SwiftKV weights moved, it generates.
     ckpt = Path(result.checkpoint.to_directory(str(tmp_path / "downloaded"))) / "model"
     loaded = AutoModelForCausalLM.from_pretrained(ckpt)
     assert loaded.config.model_type == "llama_swiftkv" and loaded.config.swiftkv
@@ -111,6 +116,20 @@ def test_s3_data_and_storage_zero3_distils_and_checkpoint_generates(ray_cluster,
     )
     out = loaded.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == prompt["input_ids"].shape[1] + 5
+
+    # An earlier checkpoint keeps only what training changes; `swiftkv merge` makes the full model of it.
+    s3 = s3fs.S3FileSystem()
+    kept = sorted(s3.glob(f"{BUCKET}/runs/swiftkv-distill/step_*"))  # num_to_keep: the last two
+    assert [k.rsplit("/", 1)[1] for k in kept] == ["step_00000006", "step_00000008"]
+    earlier = s3.find(kept[0])
+    assert not any("/model/" in f for f in earlier) and any(f.endswith("swiftkv/swiftkv.safetensors") for f in earlier)
+    s3.get(kept[0], str(tmp_path / "step6"), recursive=True)
+    assert cli(["merge", str(tmp_path / "step6"), str(tmp_path / "merged")]) == 0
+    merged = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "merged").named_parameters())
+    part = load_file(tmp_path / "step6" / "swiftkv" / "swiftkv.safetensors")
+    assert set(part) == {n for n, _ in model.swiftkv_parameters()}
+    assert all(torch.equal(merged[n], t) for n, t in part.items())
+    assert all(torch.equal(merged[n], p) for n, p in model.named_parameters() if n not in part)
 
 
 def _train_worker_pids() -> list[int]:
@@ -139,41 +158,54 @@ def _kill_a_worker_after_first_checkpoint(run_dir: Path, victim: dict, timeout_s
         time.sleep(0.2)
 
 
-def test_killed_worker_resumes_from_checkpoint_and_rerun_resumes(ray_cluster, tmp_path):
-    # A plain Llama base checkpoint under ZeRO-3: the job converts it (SPEC initialisation) once into
-    # the run's folder, and the workers (the restarted ones too) load that conversion partitioned.
+def _swiftkv_weights(result) -> dict[str, torch.Tensor]:
+    return load_file(Path(result.checkpoint.path) / "swiftkv" / "swiftkv.safetensors")
+
+
+def test_a_killed_run_resumes_onto_the_same_data_and_ends_with_the_same_weights(ray_cluster, tmp_path):
+    """A plain Llama base under ZeRO-3 (the job converts it once into the run's folder; the workers,
+    restarted ones too, load that conversion partitioned). A run whose worker is killed after a
+    checkpoint resumes from it, verifies the restored optimizer state and learning rate against it
+    (it fails otherwise), trains on exactly the micro-batches an uninterrupted run trains on (the
+    same data digest) and ends with the same SwiftKV weights (float32, to 1e-6)."""
     save_tiny_base(tmp_path / "base", "llama", bundled_tokenizer=True)
     sources = [
-        {"uri": str(write_parquet(ultrachat_rows(300, 5), tmp_path / "chat" / "a.parquet")), "format": "ultrachat"}
+        {"uri": str(write_parquet(ultrachat_rows(150, 5), tmp_path / "chat" / "a.parquet")), "format": "ultrachat"},
+        {"uri": str(write_jsonl(sharegpt_rows(150, 6), tmp_path / "chat" / "b.jsonl")), "format": "openhermes"},
     ]
-    tree = _config(
-        tmp_path / "base",
-        sources,
-        tmp_path / "out",
-        train={"max_steps": 8},
-        output={"checkpoint_every_steps": 2, "max_failures": 2},
-        deepspeed={"zero_stage": 3},
-    )
+
+    def tree(out: str) -> dict:
+        return _config(tmp_path / "base", sources, tmp_path / out, train={"max_steps": 8},
+                       output={"checkpoint_every_steps": 2, "max_failures": 2}, deepspeed={"zero_stage": 3})
+
+    uninterrupted = run(parse_config(tree("whole")))
+    assert uninterrupted.error is None and uninterrupted.metrics["resumed_from_step"] == -1
+
     victim: dict = {}
     killer = threading.Thread(
-        target=_kill_a_worker_after_first_checkpoint, args=(tmp_path / "out" / "swiftkv-distill", victim)
+        target=_kill_a_worker_after_first_checkpoint, args=(tmp_path / "killed" / "swiftkv-distill", victim)
     )
     killer.start()
-    result = run(parse_config(tree))
+    resumed = run(parse_config(tree("killed")))
     killer.join()
     assert "pid" in victim, "no worker was killed"
     with pytest.raises(ProcessLookupError):
         os.kill(victim["pid"], 0)  # really gone
-    assert result.error is None
-    assert result.metrics["step"] == 8
-    assert result.metrics["resumed_from_step"] >= 2  # restarted from a checkpoint, not from scratch
-    (init,) = (tmp_path / "out" / "swiftkv-distill").glob("student-init-*/config.json")
+    assert resumed.error is None and resumed.metrics["step"] == 8
+    assert resumed.metrics["resumed_from_step"] >= 2  # restarted from a checkpoint, not from scratch
+    assert resumed.metrics["data_digest"] == uninterrupted.metrics["data_digest"]
+    want, got = _swiftkv_weights(uninterrupted), _swiftkv_weights(resumed)
+    assert want.keys() == got.keys()
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
+    (init,) = (tmp_path / "killed" / "swiftkv-distill").glob("student-init-*/config.json")
     assert AutoConfig.from_pretrained(init.parent).num_key_value_layers == 2
     converted_at = init.stat().st_mtime_ns
 
     # The same storage path again, asking for two more steps: it resumes at step 8.
-    tree["train"]["max_steps"] = 10
-    again = run(parse_config(tree))
+    longer = tree("killed")
+    longer["train"]["max_steps"] = 10
+    again = run(parse_config(longer))
     assert again.metrics["resumed_from_step"] == 8 and again.metrics["step"] == 10
     assert init.stat().st_mtime_ns == converted_at  # the conversion was reused, not redone
 
@@ -197,3 +229,36 @@ def test_malformed_rows_are_skipped_and_bundled_chitchat_reads(ray_cluster, tmp_
     )
     rows = build_datasets(chat, tokenizer)[0].take_all()
     assert rows and all(r["loss_mask"].sum() > 0 for r in rows)
+
+
+def test_one_big_file_streams_in_windows_of_small_integer_rows(ray_cluster):
+    """The bundled chitchat file is one JSON object of 7K conversations: it is templated in windows
+    (many blocks, not one task the first batch waits for, and no all-to-all stage), and the rows hold
+    the smallest integer types that fit. The order is the same on every read (resume needs it)."""
+    tokenizer = str(ensure_bundled_model())
+    cfg = DataConfig(sources=[{"uri": "bundled:chitchat", "format": "chitchat", "sample_count": 400}],
+                     max_seq_len=256, heldout_fraction=0, pack_window=50)
+    train, _ = build_datasets(cfg, tokenizer)
+    assert "RandomizeBlockOrder" not in str(train._plan._logical_plan.dag)
+    rows = train.materialize()
+    assert rows.num_blocks() >= 400 // 50
+    first = rows.take(1)[0]
+    dtypes = tuple(str(first[key].dtype) for key in ("input_ids", "position_ids", "loss_mask"))
+    assert dtypes == ("int32", "int16", "uint8")
+    again = build_datasets(cfg, tokenizer)[0].take(5)
+    assert all((a["input_ids"] == b["input_ids"]).all() for a, b in zip(rows.take(5), again, strict=True))
+
+
+def test_the_conversion_task_asks_for_the_memory_it_takes(tmp_path):
+    """Llama-3.1-70B at c = 40: the SwiftKV tensors twice in float32 plus 2 GiB, far below the 140 GB a
+    whole bf16 base would take (a base in a format other than safetensors is loaded whole: twice its size)."""
+    from swiftkv.distill.model_io import conversion_memory_bytes
+
+    (tmp_path / "config.json").write_text((Path(__file__).parent / "fixtures" / "llama-3.1-70b-instruct-config.json")
+                                          .read_text())
+    (tmp_path / "model-00001-of-00030.safetensors").touch()
+    assert 25e9 < conversion_memory_bytes(str(tmp_path), 40) < 35e9
+    (tmp_path / "model-00001-of-00030.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 1000)
+    on_disk = 1000 + (tmp_path / "config.json").stat().st_size
+    assert conversion_memory_bytes(str(tmp_path), 40) == 2 * 2**30 + 2 * on_disk

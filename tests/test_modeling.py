@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import swiftkv  # noqa: F401
+import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.modeling import LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM
 from tests.tiny import tiny_config, tiny_swiftkv_model
 
@@ -75,6 +75,43 @@ def test_prefill_skipping_equals_full_student_forward(family, group):
         logits = model(skipped.sequences, attention_mask=mask, use_cache=False).logits
     width = batch["input_ids"].shape[1]
     torch.testing.assert_close(logits[:, width - 1 : -1], torch.stack(skipped.logits, 1), rtol=1e-4, atol=1e-4)
+
+
+def rope_positions(model, run) -> list[torch.Tensor]:
+    """The position ids the model's rotary embedding saw on each forward call while ``run()`` runs."""
+    seen = []
+    hook = model.model.rotary_emb.register_forward_hook(
+        lambda module, args, kwargs, out: seen.append(kwargs["position_ids"].clone()), with_kwargs=True)
+    try:
+        run()
+    finally:
+        hook.remove()
+    return seen
+
+
+def test_generate_gives_left_padded_rows_their_real_positions():
+    """``generate`` hands position ids from the attention mask only to a forward that declares them:
+    a padded row must see positions 0, 1, ... from its first real token, as in the base model (with
+    RoPE scaling that depends on absolute positions, shifted positions change the outputs)."""
+    swift = tiny_swiftkv_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+                               max_position_embeddings=16)
+    base = base_twin(swift.swiftkv(False))
+    batch = padded_batch([30, 21])
+    with torch.no_grad():
+        ours = rope_positions(swift, lambda: greedy(swift, batch, use_cache=True))
+        theirs = rope_positions(base, lambda: greedy(base, batch, use_cache=True))
+        tokens = [greedy(model, batch, use_cache=True).sequences for model in (swift, base)]
+    assert torch.equal(*tokens)
+    assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert ours[0][1, 9:].tolist() == list(range(21))  # the padded row starts at 0 after its 9 pads
+
+
+def test_flex_attention_is_refused_for_prefill_skipping():
+    """Skipping keeps the last query row of each mask, which a flex-attention BlockMask does not have."""
+    model = tiny_swiftkv_model("llama")
+    model.config._attn_implementation = "flex_attention"
+    with torch.no_grad(), pytest.raises(ValueError, match="does not support attn_implementation='flex_attention'"):
+        greedy(model, padded_batch([9]), use_cache=True)
 
 
 def test_sampling_with_skipping_matches_full_student():

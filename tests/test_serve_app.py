@@ -128,7 +128,7 @@ BAD_REQUESTS = [
     ("oversized body", "/v1/completions", {"model": "tiny-swiftkv", "prompt": "x" * 300_000}, 413, "exceeds"),
     ("prompt logprobs with prefill skipping", "/v1/completions",
      {"model": "tiny-swiftkv", "prompt": "hello", "max_tokens": 2, "echo": True, "logprobs": 1}, 400,
-     "incorrect logprobs for prompt tokens"),
+     "prompt logprobs are not available from a SwiftKV checkpoint served with prefill skipping"),
 ]
 
 

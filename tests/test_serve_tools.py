@@ -50,7 +50,6 @@ def test_calibrate_measures_and_writes_a_profile(models, tmp_path):
     assert not engine_processes()
 
 
-@pytest.mark.slow
 def test_load_test_job_compares_serve_with_vllm_alone_and_writes_its_figures(models, tmp_path):
     """The job end to end on its cheapest comparison (one replica and vLLM's own server): deploy,
     warm up, interleaved rounds with vLLM's client, report, plot, files. The other comparisons run

@@ -124,7 +124,7 @@ def test_chat_uses_the_checkpoint_template(server):
 
 def test_prompt_logprobs_and_bad_requests_are_400(server):
     _, client = server
-    with pytest.raises(openai.BadRequestError, match="incorrect logprobs for prompt tokens"):
+    with pytest.raises(openai.BadRequestError, match="prompt logprobs are not available from a SwiftKV checkpoint"):
         client.completions.create(model=NAME, prompt="hello there", max_tokens=2, echo=True, logprobs=1)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=NAME, prompt="hello there", max_tokens=-1)

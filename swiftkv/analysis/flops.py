@@ -21,14 +21,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from transformers import AutoConfig
-
-from swiftkv.config import attention_head_dim, check_swiftkv_shape, qkv_has_bias
-from swiftkv.modeling import FAMILIES  # importing swiftkv.modeling registers *_swiftkv configs
-from swiftkv.modeling.model import layer_types
+from swiftkv.config import attention_head_dim, check_swiftkv_shape, layer_types, qkv_has_bias
 
 # Base families and their SwiftKV model types: the cost model covers what swiftkv.modeling covers.
-SUPPORTED_MODEL_TYPES = (*FAMILIES, *(config_cls.model_type for config_cls, _ in FAMILIES.values()))
 
 # Bytes per stored K or V element for --kv-cache-dtype.
 KV_CACHE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -38,6 +33,10 @@ BASE_KV_CACHE_DTYPE = "bf16"
 
 def load_config(spec: str | Path):
     """A transformers config from a ``config.json`` path, a model folder or a hub id (offline: cached)."""
+    from transformers import AutoConfig
+
+    import swiftkv.modeling  # noqa: F401  (registers the *_swiftkv configs)
+
     if str(spec).endswith(".json") and not Path(spec).is_file():
         raise FileNotFoundError(f"config file {spec} does not exist")
     try:
@@ -51,10 +50,11 @@ def load_config(spec: str | Path):
 
 
 def check_family(model_type: str, source: object) -> None:
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    from swiftkv.modeling import FAMILIES
+
+    supported = (*FAMILIES, *(config_cls.model_type for config_cls, _ in FAMILIES.values()))
+    if model_type not in supported:
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(supported)})")
 
 
 @dataclass(frozen=True)

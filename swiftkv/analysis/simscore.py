@@ -27,14 +27,13 @@ import torch
 from tqdm import tqdm
 
 from swiftkv.bundled import BUNDLED, bundled_chat_data
-from swiftkv.config import cutoff_from_fraction
+from swiftkv.config import DEFAULT_SIMSCORE_THRESHOLD, cutoff_from_fraction
 from swiftkv.distill.schemas import MalformedRow, to_messages
 from swiftkv.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
 
 TARGET_SHARES = (0.25, 0.5, 0.75)
-DEFAULT_THRESHOLD = 0.5
 
 Messages = list[dict[str, str]]
 
@@ -198,7 +197,7 @@ def compute_simscore(
     num_samples: int = 64,
     max_len: int = 512,
     batch_size: int = 4,
-    threshold: float = DEFAULT_THRESHOLD,
+    threshold: float = DEFAULT_SIMSCORE_THRESHOLD,
 ) -> SimScoreResult:
     if max_len < 2 or batch_size < 1:
         raise ValueError(f"max_len must be >= 2 and batch_size >= 1 (got {max_len}, {batch_size})")

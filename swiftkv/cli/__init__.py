@@ -1,6 +1,7 @@
 """``swiftkv <verb>``: each verb lives in its own module of this package and is a thin call
 into the library. A verb module exposes ``add_parser(subparsers)`` which registers the verb and
-sets ``func`` (called with the parsed arguments)."""
+sets ``func`` (called with the parsed arguments). Verb modules import only light modules at the
+top (no torch, transformers, Ray or vLLM), so ``--help`` and argument errors answer at once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 # Verb modules, in the order `swiftkv --help` lists them.
 VERB_MODULES = [
     "swiftkv.cli.convert",
+    "swiftkv.cli.merge",
     "swiftkv.cli.generate",
     "swiftkv.cli.bundle",
     "swiftkv.cli.flops",
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="SwiftKV: convert, analyse, distil and serve prefill-skipping LLMs.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     for name in VERB_MODULES:
         importlib.import_module(name).add_parser(subparsers)
@@ -43,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as err:
-        # Bad input: one clear line, no traceback.
-        print(f"swiftkv {args.verb}: error: {err}", file=sys.stderr)
+        if args.debug:
+            raise
+        # Bad input: one clear line, no traceback (--debug shows it).
+        print(f"swiftkv {args.verb}: error: {err} (--debug shows the traceback)", file=sys.stderr)
         return 2
 
 

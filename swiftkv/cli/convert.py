@@ -20,7 +20,8 @@ def add_parser(subparsers) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--num-key-value-layers", type=int, help="cutoff c: layers that keep their own KV")
     where.add_argument("--cutoff", type=float, help="the paper's 'F SwiftKV': the share of layers whose prefill "
-                       "is skipped, c = ceil(L (1 - F)); 0.5 (the default) gives c = L/2, 0.25 gives c = 3L/4")
+                       "is skipped, c = ceil(L (1 - F)); 0.5 gives c = L/2, 0.25 gives c = 3L/4 (default: 50%% "
+                       "SwiftKV, as for a config without num_key_value_layers)")
     p.add_argument("--key-value-group-size", type=int, default=1, help="AcrossKV group size g (1 = off)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     p.set_defaults(func=run)
@@ -29,10 +30,9 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from swiftkv.convert import convert_checkpoint
 
-    cutoff = 0.5 if args.cutoff is None and args.num_key_value_layers is None else args.cutoff
     out = convert_checkpoint(
         args.base, args.out, num_key_value_layers=args.num_key_value_layers,
-        key_value_group_size=args.key_value_group_size, cutoff=cutoff, overwrite=args.overwrite,
+        key_value_group_size=args.key_value_group_size, cutoff=args.cutoff, overwrite=args.overwrite,
     )
     print(out)
     return 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from swiftkv.analysis.simscore import DEFAULT_THRESHOLD, compute_simscore, save_result
 from swiftkv.bundled import BUNDLED
+from swiftkv.config import DEFAULT_SIMSCORE_THRESHOLD
 from swiftkv.model_source import MODEL_HELP
 
 
@@ -34,14 +34,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--threshold",
         type=float,
-        default=DEFAULT_THRESHOLD,
-        help=f"SimScore a cutoff should clear (default {DEFAULT_THRESHOLD}, the paper's half-depth level)",
+        default=DEFAULT_SIMSCORE_THRESHOLD,
+        help=f"SimScore a cutoff should clear (default {DEFAULT_SIMSCORE_THRESHOLD}, the paper's half-depth level)",
     )
     parser.add_argument("--out", default="artifacts/simscore", help="output folder (default artifacts/simscore)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> None:
+    from swiftkv.analysis.simscore import compute_simscore, save_result
+
     result = compute_simscore(args.model, args.data, args.num_samples, args.max_len, args.batch_size, args.threshold)
     paths = save_result(result, args.out)
     print(f"{result.num_samples} conversations, {result.num_tokens} tokens")

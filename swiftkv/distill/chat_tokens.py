@@ -1,19 +1,36 @@
 """Chat template + loss mask: token ids of a conversation and which positions the KL counts.
 
 Most chat templates (Llama-3.1, Qwen2.5, Mistral, SmolLM2's ChatML) have no ``{% generation %}``
-markers, so transformers' ``return_assistant_tokens_mask`` cannot be used. Instead the conversation
-is rendered one turn at a time: the text the template adds for an assistant turn (its content and
-end-of-turn marker, after the generation prompt) is the assistant's; everything else is context.
-Each piece is tokenized on its own, so the pieces' token ids line up exactly with the mask.
+markers, so transformers' ``return_assistant_tokens_mask`` cannot be used. Instead:
+
+1. The whole conversation is rendered once and tokenized once, so the ids are exactly the ones the
+   template gives (tokenizing pieces one by one can differ: SentencePiece adds "▁" at the start of
+   a call, byte-level BPE merges across a cut such as "\\n" | "\\nreply").
+2. Each assistant turn is found by rendering the conversation again with that reply replaced by a
+   marker: the text before and after the marker must be the full rendering's own start and end.
+   This holds for templates that move other text between renderings too (Mistral v0.3 puts the
+   system prompt into the last user turn, and leaves it out when the conversation ends on a reply).
+   The turn's span is its reply as rendered plus its end-of-turn text: what the template puts
+   after a reply that ends the conversation, as far as this turn has it too ("<|eot_id|>",
+   "<|im_end|>\\n", "</s>").
+3. The spans are laid on the tokens with the fast tokenizer's offsets. A token belongs to a turn
+   when any of its characters lies in the span, so a SentencePiece "▁Paris" that carries the
+   template's space before the reply is the reply's first token.
 """
 
 from __future__ import annotations
 
+import bisect
+import os
 from dataclasses import dataclass
 
+from jinja2 import TemplateError, TemplateSyntaxError
 from transformers import PreTrainedTokenizerBase
 
 from swiftkv.distill.schemas import MalformedRow, Message
+
+# Stands in for a reply: private-use characters no conversation carries and no template trims.
+_MARKER = "\ue000swiftkv-reply\ue001"
 
 
 @dataclass
@@ -24,39 +41,69 @@ class ChatTokens:
     selected (an assistant token, or any token for ``loss_on="all"``)."""
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], generation_prompt: bool) -> str:
-    if not messages:
-        return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    except TemplateSyntaxError:
+        raise  # a broken template stops the run: every row would fail
+    except TemplateError as err:  # the template refuses this conversation (``raise_exception``)
+        raise MalformedRow(f"the chat template refuses the conversation: {err}") from None
 
 
-def chat_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[tuple[str, bool]]:
-    """The rendered conversation cut into ``(text, is_assistant)`` pieces that concatenate to the whole."""
-    pieces: list[tuple[str, bool]] = []
-    done = ""
+def _around_marker(tokenizer: PreTrainedTokenizerBase, messages: list[Message], k: int) -> tuple[str, str]:
+    """The conversation rendered with message ``k``'s content replaced by the marker: the text before and after it."""
+    marked = [*messages[:k], {**messages[k], "content": _MARKER}, *messages[k + 1 :]]
+    parts = _render(tokenizer, marked).split(_MARKER)
+    if len(parts) != 2:
+        raise MalformedRow("the chat template does not render each reply once")
+    return parts[0], parts[1]
+
+
+def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character span ``[start, end)`` of each assistant turn in it."""
+    text = _render(tokenizer, messages)
+    spans: list[tuple[int, int]] = []
     for k, message in enumerate(messages):
-        if message["role"] == "assistant":
-            prompt = _render(tokenizer, messages[:k], generation_prompt=True)
-            if not prompt.startswith(done):
-                raise MalformedRow("the chat template does not render this conversation turn by turn")
-            pieces.append((prompt[len(done) :], False))
-            done = prompt
-        text = _render(tokenizer, messages[: k + 1], generation_prompt=False)
-        if not text.startswith(done):
-            raise MalformedRow("the chat template does not render this conversation turn by turn")
-        pieces.append((text[len(done) :], message["role"] == "assistant"))
-        done = text
-    return pieces
+        if message["role"] != "assistant":
+            continue
+        before, after = _around_marker(tokenizer, messages, k)
+        start, end = len(before), len(text) - len(after)
+        in_place = text.startswith(before) and text.endswith(after) and start <= end
+        if not in_place or (spans and start < spans[-1][1]):
+            raise MalformedRow("the chat template does not render this conversation's replies in place")
+        # The end-of-turn text: what follows the reply when the conversation ends on it, as far as this
+        # turn has it too (a template may add more after the very last message).
+        _, closing = _around_marker(tokenizer, messages[: k + 1], k)
+        spans.append((start, end + len(os.path.commonprefix([closing, text[end:]]))))
+    return text, spans
+
+
+def token_turns(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> tuple[list[int], list[int]]:
+    """Token ids of the whole rendered conversation and, for each token, the assistant turn (1-based) it
+    belongs to, 0 for context."""
+    if not tokenizer.is_fast:
+        # Without offsets the replies cannot be placed on the tokens of the whole text; piecewise
+        # tokenizing is what this module exists to avoid, and a config error should stop the run.
+        raise ValueError(
+            f"{type(tokenizer).__name__} is a slow tokenizer without offset mappings; load the model's fast "
+            "tokenizer (AutoTokenizer.from_pretrained with the model's tokenizer.json, or the `tokenizers` package "
+            "installed so transformers can convert it)"
+        )
+    text, spans = assistant_spans(tokenizer, messages)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ends = [end for _, end in spans]
+    turn_of = []
+    for start, end in encoding["offset_mapping"]:
+        k = bisect.bisect_right(ends, start)  # the first span ending after the token starts
+        # A zero-width token (rare) counts at its position.
+        turn_of.append(k + 1 if k < len(spans) and spans[k][0] < max(end, start + 1) else 0)
+    return encoding["input_ids"], turn_of
 
 
 def tokenize_chat(tokenizer: PreTrainedTokenizerBase, messages: list[Message], loss_on: str) -> ChatTokens:
     """Token ids of the templated conversation and its loss mask (see ``ChatTokens``)."""
-    ids: list[int] = []
-    selected: list[int] = []
-    for text, is_assistant in chat_pieces(tokenizer, messages):
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids.extend(piece)
-        selected.extend([int(is_assistant or loss_on == "all")] * len(piece))
+    ids, turn_of = token_turns(tokenizer, messages)
+    selected = [int(turn > 0 or loss_on == "all") for turn in turn_of]
     if not any(selected[1:]):
         raise MalformedRow("no token to train on after templating")
     # Position t predicts token t + 1: shift the selection left by one.

@@ -14,7 +14,6 @@ from pydantic import Field, model_validator
 from swiftkv import yaml_config
 from swiftkv.yaml_config import StrictConfig
 
-FORMATS = ("ultrachat", "openhermes", "slimorca", "messages", "chitchat")
 SourceFormat = Literal["ultrachat", "openhermes", "slimorca", "messages", "chitchat"]
 
 
@@ -63,10 +62,17 @@ class DataConfig(StrictConfig):
     """At most this many held-out rows are evaluated (bounds the evaluation time)."""
 
     pack_window: int = Field(default=256, gt=0)
-    """Examples handed to the packer at once; a bigger window packs tighter."""
+    """Examples handed to the packer at once; a bigger window packs tighter. Each window mixes the
+    sources (an equal share of each, in turn)."""
+
+    shuffle_buffer_rows: int = Field(default=16, ge=0)
+    """Packed rows each worker keeps in a local shuffle buffer and draws from at random (seeded by
+    ``seed`` and the epoch), on top of the seeded file order; 0 = off. A worker waits for this many
+    rows before its first batch. The pipeline itself keeps a fixed order, so a resumed run sees
+    exactly the rows of an uninterrupted one."""
 
     seed: int = 0
-    """Seed for source sampling and block-order shuffling."""
+    """Seed for the file order, source sampling and the workers' shuffle buffers."""
 
 
 class TrainConfig(StrictConfig):
@@ -94,6 +100,18 @@ class TrainConfig(StrictConfig):
     temperature: float = Field(default=2.0, gt=0)
     """Distillation temperature tau; the KL is scaled by tau^2."""
 
+    loss_normalization: Literal["tokens", "reference"] = "tokens"
+    """``tokens``: the KL is averaged over every selected token of the optimizer step, across its
+    micro-batches and workers (each token weighs the same). ``reference``: as the reference SwiftKV
+    trainer does, each micro-batch's KL sum is divided by all its positions (selected or not, padding
+    included), then averaged over micro-batches and workers (docs/distillation.md compares them)."""
+
+    reuse_teacher_prefix: bool = True
+    """Run the frozen layers ``0..c-1`` once for teacher and student (they see the same input), and
+    start the student from the teacher's state at the cutoff: same loss and gradients, without the
+    student's forward through those layers (at 50% SwiftKV, half its forward). ``false`` runs both
+    models whole."""
+
     hidden_loss_weight: float = Field(default=0.0, ge=0)
     """Weight of the MSE between student and teacher second-to-last hidden states (0 = the paper's KL alone)."""
 
@@ -119,6 +137,11 @@ class ScalingConfig(StrictConfig):
 
     cpus_per_worker: float = Field(default=1.0, gt=0)
     """Logical CPUs each worker reserves (leave some for Ray Data's read tasks)."""
+
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the workers' bundles (Ray Train's placement group strategy): ``PACK`` fills a
+    node before using the next (8 workers on an 8-GPU node); ``STRICT_SPREAD`` puts every worker on
+    its own node (one worker per node)."""
 
 
 class DeepSpeedConfig(StrictConfig):

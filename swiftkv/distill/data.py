@@ -1,10 +1,16 @@
 """The Ray Data pipeline: read each source, map its schema to messages, mix, template, pack.
 
-read (parquet / jsonl / chitchat json; local, glob, s3:// or any fsspec URI)
+read (parquet / jsonl / chitchat json; local, glob, s3:// or any fsspec URI; files in a seeded order)
   -> sample (sample_count or weight) -> messages + held-out flag (malformed rows logged, skipped)
-  -> union of the sources -> chat template + loss mask -> packed rows of max_seq_len tokens.
+  -> small blocks -> union of the sources (one block of each in turn) -> chat template + loss mask
+  -> packed rows of max_seq_len tokens (int32 ids, int16/int32 positions, uint8 mask).
 
-Everything streams: no source is read whole into the driver. Files are listed with fsspec at start,
+Everything streams: no source is read whole into the driver, no stage waits for the whole data
+(there is no all-to-all shuffle), and the first packed rows reach training while the sources are
+still being read; rows are mixed by a seeded local shuffle buffer as each worker reads them
+(``train_loop.py``). The order is deterministic when the consumer preserves order, which the
+distillation job asks for (Ray Train's ``DataConfig``): the same rows reach the same worker in the
+same order in every run, which is what exact resume needs. Files are listed with fsspec at start,
 so an unknown format or an unreadable URI fails before any Ray work with a message naming it.
 S3 credentials and endpoint come from the environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``...).
 """
@@ -72,12 +78,14 @@ def _chitchat_conversations(item: dict) -> list[dict]:
     return [{"messages": conversation["messages"]} for conversation in data.values()]
 
 
-def _read(src: SourceConfig) -> ray.data.Dataset:
+def _read(src: SourceConfig, seed: int) -> ray.data.Dataset:
     fs, files, kind = resolve_files(src.uri)
+    # Files in a seeded order, the same in every epoch and run (exact resume needs that).
+    shuffle = ray.data.FileShuffleConfig(seed=seed, reseed_after_execution=False)
     if kind == "parquet":
-        return ray.data.read_parquet(files, filesystem=fs)
+        return ray.data.read_parquet(files, filesystem=fs, shuffle=shuffle)
     if kind == "jsonl":
-        return ray.data.read_json(files, filesystem=fs, file_extensions=["jsonl"])
+        return ray.data.read_json(files, filesystem=fs, file_extensions=["jsonl"], shuffle=shuffle)
     if src.format != "chitchat":
         raise ValueError(f"data source {src.uri!r}: .json files are read only for format chitchat; use .jsonl")
     return ray.data.read_binary_files(files, filesystem=fs).flat_map(_chitchat_conversations)
@@ -139,42 +147,55 @@ def _tokenize_and_pack(batch: pa.Table, tokenizer_path: str, cfg: DataConfig) ->
             "templating: skipped %d conversation(s), truncated %d over %d tokens", bad, long, cfg.max_seq_len
         )
     rows = pack_rows(examples, cfg.max_seq_len, pad_id(tokenizer), cfg.pack)
-    if not rows:
-        empty = np.zeros((0, cfg.max_seq_len), dtype=np.int64)
-        return {"input_ids": empty, "position_ids": empty, "loss_mask": empty}
-    return {key: np.stack([r[key] for r in rows]) for key in rows[0]}
+    # The smallest integer types that hold the values (an object store of rows is mostly ids).
+    dtypes = {"input_ids": np.int32, "position_ids": np.int16 if cfg.max_seq_len <= 2**15 else np.int32,
+              "loss_mask": np.uint8}
+    return {key: np.stack([r[key] for r in rows]).astype(dtype) if rows else np.zeros((0, cfg.max_seq_len), dtype)
+            for key, dtype in dtypes.items()}
 
 
 def _messages(cfg: DataConfig, heldout: bool) -> ray.data.Dataset:
+    # Blocks of pack_window / sources rows: the union takes one block of each source in turn, so every
+    # pack window mixes the sources, and a big file (chitchat's one JSON of 7K conversations)
+    # is templated window by window instead of in one task that the first batch waits for.
+    rows_per_block = max(1, cfg.pack_window // len(cfg.sources))
     parts = []
     for i, src in enumerate(cfg.sources):
-        ds = _read(src)
+        ds = _read(src, cfg.seed + i)
         if src.sample_count is not None:
             ds = ds.limit(src.sample_count)
         elif src.weight is not None:
             ds = ds.random_sample(src.weight, seed=cfg.seed + i)
-        parts.append(
-            ds.map_batches(
-                _to_messages_batch,
-                batch_format="pyarrow",
-                fn_kwargs=dict(fmt=src.format, uri=src.uri, heldout=heldout, fraction=cfg.heldout_fraction),
-            )
+        ds = ds.map_batches(
+            _to_messages_batch,
+            batch_format="pyarrow",
+            fn_kwargs=dict(fmt=src.format, uri=src.uri, heldout=heldout, fraction=cfg.heldout_fraction),
         )
+        parts.append(ds.repartition(target_num_rows_per_block=rows_per_block))
     return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
 
 
 def build_datasets(cfg: DataConfig, tokenizer_path: str) -> tuple[ray.data.Dataset, ray.data.Dataset | None]:
-    """``(train, heldout)`` datasets of packed rows (``input_ids``, ``position_ids``, ``loss_mask``)."""
+    """``(train, heldout)`` datasets of packed rows (``input_ids``, ``position_ids``, ``loss_mask``).
+
+    ``train`` streams. ``heldout`` is materialised here, once: the first ``heldout_max_rows`` rows
+    of the conversations whose text hashes into the held-out share, so every evaluation of the run
+    (and of a resumed run) measures the very same rows."""
     load_tokenizer(tokenizer_path)  # fail here, not in a read task, if it is missing
 
     def packed(heldout: bool) -> ray.data.Dataset:
-        return _messages(cfg, heldout).map_batches(
+        ds = _messages(cfg, heldout).map_batches(
             _tokenize_and_pack,
             batch_size=cfg.pack_window,
             batch_format="pyarrow",
             fn_kwargs=dict(tokenizer_path=tokenizer_path, cfg=cfg),
         )
+        ds.context.execution_options.preserve_order = True  # deterministic when executed here (the driver)
+        return ds
 
-    train = packed(heldout=False).randomize_block_order(seed=cfg.seed)
-    heldout = packed(heldout=True).limit(cfg.heldout_max_rows) if cfg.heldout_fraction > 0 else None
-    return train, heldout
+    heldout = None
+    if cfg.heldout_fraction > 0:
+        logger.info("building the held-out set (the first %d held-out rows, kept for the whole run)",
+                    cfg.heldout_max_rows)
+        heldout = packed(heldout=True).limit(cfg.heldout_max_rows).materialize()
+    return packed(heldout=False), heldout

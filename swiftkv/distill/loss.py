@@ -3,16 +3,15 @@
 The KL is computed from final hidden states: only ``chunk`` tokens' logits (teacher and student)
 exist at any time. Each chunk's gradient with respect to the student's hidden states is taken
 right away (a small ``[chunk, hidden]`` tensor) and its logits are dropped, so backward needs no
-logits at all; this also works when ZeRO-3 shards the LM head, where recomputing a checkpointed
-chunk would not. A batch of 8 x 8192 tokens with a 128K vocabulary would otherwise hold 32 GB of
-float32 logits per model.
+logits at all. A batch of 8 x 8192 tokens with a 128K vocabulary would otherwise hold 32 GB of
+float32 logits per model. The LM head's weight is passed in as a tensor: under ZeRO-3 the caller
+has it gathered once for all the chunks, not once per call of the head module.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
 def kl_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -37,19 +36,18 @@ class _PrecomputedGrad(torch.autograd.Function):
 
 
 def chunked_kl_sum(
-    head: nn.Module,
+    head_weight: torch.Tensor,
     student: torch.Tensor,
     teacher: torch.Tensor,
     selected: torch.Tensor,
     temperature: float,
     chunk: int,
 ) -> torch.Tensor:
-    """``kl_sum`` of ``head(student)`` against ``head(teacher)`` over the ``selected`` rows of
-    ``[N, H]`` hidden states. Gradients flow to ``student`` only.
+    """``kl_sum`` of the logits ``student @ head_weight.T`` against the teacher's, over the
+    ``selected`` rows of ``[N, H]`` hidden states. Gradients flow to ``student`` only.
 
     The rows are walked in fixed chunks of ``chunk`` positions and only each chunk's selected rows
-    go through the head, so the number of head calls depends on ``N`` alone: under ZeRO-3 every
-    call gathers the head's weight collectively, and every rank must make the same calls."""
+    get logits, so the work per chunk depends on ``N`` alone (the same on every rank)."""
     need_grad = torch.is_grad_enabled() and student.requires_grad
     total = student.new_zeros((), dtype=torch.float32)
     grad = torch.zeros_like(student) if need_grad else None
@@ -57,16 +55,11 @@ def chunked_kl_sum(
         rows = selected[start : start + chunk].nonzero().squeeze(-1) + start
         s = student[rows].detach().requires_grad_(need_grad)
         with torch.no_grad():
-            teacher_logits = head(teacher[rows])
-        kl = kl_sum(head(s), teacher_logits, temperature)
+            teacher_logits = F.linear(teacher[rows], head_weight)
+        kl = kl_sum(F.linear(s, head_weight), teacher_logits, temperature)
         if need_grad and rows.numel():
             grad[rows] = torch.autograd.grad(kl, s)[0]
         total = total + kl.detach()
     if not need_grad:
         return total
     return _PrecomputedGrad.apply(total, student, grad)
-
-
-def hidden_mse(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """Mean squared error between hidden states (``[N, H]``, the selected positions)."""
-    return F.mse_loss(student.float(), teacher.float())

@@ -2,8 +2,10 @@
 
 ``load_student`` returns a SwiftKV model with the SPEC initialisation (or a SwiftKV checkpoint as it
 is, built already sharded under ZeRO-3); ``convert_once`` writes a base model's SwiftKV conversion
-to shared storage once, so that ZeRO-3 workers load that instead; ``write_hf_checkpoint`` writes the
-SPEC checkpoint layout, loadable by ``AutoModelForCausalLM`` after ``import swiftkv``.
+to shared storage once, so that ZeRO-3 workers load that instead; ``write_swiftkv_part`` writes
+what a distillation checkpoint changes (the SwiftKV tensors, the config, a pointer to the starting
+model) and ``merge_swiftkv_part`` turns that into the full SPEC checkpoint, loadable by
+``AutoModelForCausalLM`` after ``import swiftkv.modeling`` and by vLLM.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from typing import Any
 
 import fsspec
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-import swiftkv  # noqa: F401  (registers the SwiftKV Auto classes)
+import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
+from swiftkv.checkpoint_files import write_checkpoint
 from swiftkv.convert import convert_checkpoint, convert_model, load_base_model
+from swiftkv.model_source import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,23 @@ def load_student(
     return convert_model(load_base_model(path, dtype=dtype), num_key_value_layers, key_value_group_size)
 
 
+def conversion_memory_bytes(path: str, num_key_value_layers: int | None = None, key_value_group_size: int = 1) -> int:
+    """Host memory a ``convert_once`` of the checkpoint ``path`` takes, with a 2 GiB margin: the new
+    SwiftKV tensors (float32 at most) and the base tensors they are made from, one layer's at a time.
+    A safetensors base is never loaded whole; any other format is (its weights' size on disk twice)."""
+    from swiftkv.analysis.flops import swiftkv_param_count
+    from swiftkv.checkpoint_files import has_safetensors
+    from swiftkv.config import default_cutoff
+
+    margin = 2 * 2**30
+    if not has_safetensors(path):
+        return margin + 2 * sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+    config = AutoConfig.from_pretrained(path)
+    c = num_key_value_layers or default_cutoff(config.num_hidden_layers)
+    trainable, _ = swiftkv_param_count(config, c, key_value_group_size)
+    return margin + 2 * 4 * trainable
+
+
 def is_swiftkv_checkpoint(path: str) -> bool:
     return AutoConfig.from_pretrained(path).model_type.endswith("_swiftkv")
 
@@ -100,8 +122,26 @@ def convert_once(base: str, parent: str, num_key_value_layers: int | None, key_v
     return target
 
 
-def write_hf_checkpoint(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer, out: Path) -> None:
-    """The student in the SPEC layout (``swiftkv: true``) with its tokenizer and chat template."""
-    model.swiftkv(True)
-    model.save_pretrained(out, state_dict=state_dict)
-    tokenizer.save_pretrained(out)
+PART_TENSORS = "swiftkv.safetensors"
+PART_START = "start.json"
+
+
+def write_swiftkv_part(config: PretrainedConfig, tensors: dict[str, torch.Tensor], start: str, out: Path) -> None:
+    """``out``: the SwiftKV tensors, the student's ``config.json`` and ``start.json`` naming the model
+    reference (folder, ``s3://`` URI, hub id...) whose other weights they complete."""
+    out.mkdir(parents=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, out / PART_TENSORS, metadata={"format": "pt"})
+    config.save_pretrained(out)
+    (out / PART_START).write_text(json.dumps({"model": start}) + "\n")
+
+
+def merge_swiftkv_part(part: str | Path, out: str | Path) -> Path:
+    """The full SPEC checkpoint of a distillation checkpoint's ``swiftkv/`` folder (or the checkpoint
+    folder holding it): the starting model's weights with the trained SwiftKV tensors."""
+    part = Path(part)
+    if not (part / PART_START).is_file() and (part / "swiftkv" / PART_START).is_file():
+        part = part / "swiftkv"
+    if not (part / PART_START).is_file():
+        raise FileNotFoundError(f"{part} is not a distillation checkpoint's swiftkv/ folder (no {PART_START})")
+    start = json.loads((part / PART_START).read_text())["model"]
+    return write_checkpoint(resolve_model(start), load_file(part / PART_TENSORS), AutoConfig.from_pretrained(part), out)

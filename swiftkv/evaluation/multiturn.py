@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftkv.bundled import bundled_chat_data, package_dir
-from swiftkv.distill.chat_tokens import chat_pieces
+from swiftkv.distill.chat_tokens import token_turns
 from swiftkv.evaluation.config import MultiTurnConfig
 from swiftkv.inference import as_student, chat_generate, load_chat_model
 
@@ -54,14 +54,7 @@ def chitchat_with_turns(count: int, turns: int) -> list[Messages]:
 def turn_tokens(tokenizer, messages: Messages) -> tuple[list[int], list[int]]:
     """Token ids of the templated conversation, and for each position the assistant turn (1-based)
     whose token it predicts, 0 where it predicts context."""
-    ids: list[int] = []
-    turn_of: list[int] = []
-    turn = 0
-    for text, is_assistant in chat_pieces(tokenizer, messages):
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        turn += is_assistant
-        ids.extend(piece)
-        turn_of.extend([turn if is_assistant else 0] * len(piece))
+    ids, turn_of = token_turns(tokenizer, messages)
     return ids, turn_of[1:] + [0]
 
 

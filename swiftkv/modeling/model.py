@@ -13,9 +13,15 @@ Prefill skipping: when a cache is in use and the caller keeps only the last posi
 (``logits_to_keep=1``, as ``generate`` does), only the last token of each sequence runs step 3.
 Every prompt token's lasting output (its KV) is already written by then, so the logits are
 those of the full student forward. Without a cache (training), every token runs every layer.
+
+Distillation runs the model in two parts (``swiftkv_layers``): layers ``0..c-1`` are frozen and the
+same in teacher and student, so their output (the state entering layer ``c``) is computed once,
+and the teacher and the student each run layers ``c..L-1`` from it.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import nn
@@ -26,15 +32,8 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from swiftkv.config import layer_types
 from swiftkv.modeling.attention import is_group_leader
-
-
-def layer_types(config) -> list[str]:
-    """Per-layer attention kind: Qwen2 lists them; Mistral's window (if any) covers all layers."""
-    if getattr(config, "layer_types", None):
-        return list(config.layer_types)
-    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
-    return [kind] * config.num_hidden_layers
 
 
 def _last_query_row(mask):
@@ -81,10 +80,17 @@ class SwiftKVModelMixin:
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         swiftkv_skip_prefill: bool = False,
+        swiftkv_layers: Literal["all", "to_cutoff", "from_cutoff"] = "all",
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        """``swiftkv_layers``: ``"to_cutoff"`` runs the embedding and layers ``0..c-1`` and returns
+        the state entering layer ``c`` (not normed); ``"from_cutoff"`` takes that state as
+        ``inputs_embeds`` and runs layers ``c..L-1`` (teacher or student) and the final norm. Both
+        parts are for training: no cache."""
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if swiftkv_layers != "all" and (use_cache or past_key_values is not None):
+            raise ValueError(f"swiftkv_layers={swiftkv_layers!r} runs without a KV cache (training only)")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
@@ -99,8 +105,10 @@ class SwiftKVModelMixin:
         kinds = layer_types(self.config)
         hidden = inputs_embeds
         rope = self.rotary_emb(hidden, position_ids=position_ids)
-        num_layers = self.config.num_hidden_layers
-        cutoff = self.config.num_key_value_layers if self.config.swiftkv else num_layers
+        c = self.config.num_key_value_layers
+        first, last = {"all": (0, self.config.num_hidden_layers), "to_cutoff": (0, c),
+                       "from_cutoff": (c, self.config.num_hidden_layers)}[swiftkv_layers]
+        swiftkv_from = c if self.config.swiftkv else last  # the layers that take the SwiftKV K/V
 
         def run_layer(i: int, hidden: torch.Tensor, **extra) -> torch.Tensor:
             return self.layers[i](
@@ -114,18 +122,27 @@ class SwiftKVModelMixin:
                 **kwargs,
             )
 
-        for i in range(cutoff):
+        for i in range(first, min(swiftkv_from, last)):
             hidden = run_layer(i, hidden)
+        if swiftkv_layers == "to_cutoff":
+            return BaseModelOutputWithPast(last_hidden_state=hidden)
 
-        if cutoff < num_layers:
+        if swiftkv_from < last:
+            skip = swiftkv_skip_prefill and past_key_values is not None and hidden.shape[1] > 1
+            if skip and self.config._attn_implementation == "flex_attention":
+                # Skipping keeps the last query row of each mask; a flex-attention BlockMask has no rows to cut.
+                raise ValueError(
+                    "SwiftKV prefill skipping does not support attn_implementation='flex_attention': load the "
+                    "model with attn_implementation='sdpa' or 'eager'"
+                )
             key_values = self._swiftkv_key_values(hidden, rope, past_key_values)
-            if swiftkv_skip_prefill and past_key_values is not None and hidden.shape[1] > 1:
+            if skip:
                 # Prefill skipping: only the last token of each sequence goes on.
                 hidden = hidden[:, -1:]
                 rope = (rope[0][:, -1:], rope[1][:, -1:])
                 position_ids = position_ids[..., -1:]
                 masks = {kind: _last_query_row(mask) for kind, mask in masks.items()}
-            for i in range(cutoff, num_layers):
+            for i in range(swiftkv_from, last):
                 hidden = run_layer(i, hidden, swiftkv_kv=key_values[i])
 
         return BaseModelOutputWithPast(
@@ -199,6 +216,30 @@ class SwiftKVForCausalLMMixin:
             raise ValueError("SwiftKV models need non-reentrant gradient checkpointing (use_reentrant=False)")
         super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
-    def forward(self, *args, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        # The parameters are spelt out because ``generate`` hands ``position_ids`` (from the
+        # attention mask, so left padding does not shift them) only to a forward that declares them.
         skip = isinstance(logits_to_keep, int) and logits_to_keep == 1
-        return super().forward(*args, logits_to_keep=logits_to_keep, swiftkv_skip_prefill=skip, **kwargs)
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            swiftkv_skip_prefill=skip,
+            **kwargs,
+        )

@@ -9,8 +9,8 @@ from pydantic import BaseModel, ConfigDict
 from vllm.config import VllmConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from swiftkv.config import layer_types
 from swiftkv.modeling import FAMILIES
-from swiftkv.modeling.model import layer_types
 from swiftkv.vllm.layout import SwiftKVLayout
 
 logger = logging.getLogger(__name__)

@@ -1,23 +1,30 @@
 """Every use of vLLM internals below its public model API, kept in one place.
 
-SwiftKV needs three things vLLM 0.32 offers only internally:
+SwiftKV needs five things vLLM 0.32 offers only internally:
 - writing K/V into a layer's paged cache from outside that layer's ``Attention.forward``
   (the KV of layers ``>= c`` is computed once from the cutoff state, for every token);
 - reading which rows of the batch need logits, which the model runner hands the KV-sharing
   layers when ``cache_config.kv_sharing_fast_prefill`` is on;
-- switching that flag on for our architectures alone (``MODELS_CONFIG_MAP``).
+- switching that flag on for our architectures alone (``MODELS_CONFIG_MAP``);
+- refusing prompt logprobs with that flag in the offline ``LLM`` too (vLLM checks only in
+  ``AsyncLLM``; the offline engine crashes under the V1 runner and is silently wrong under V2);
+- knowing whether breakable CUDA graphs are on (they replay the later layers on the wrong rows).
 When a vLLM upgrade moves any of these, this module is the one to change.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import AbstractContextManager
 
 import torch
+from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
+from vllm.sampling_params import SamplingParams
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
 
@@ -38,8 +45,10 @@ def logits_rows(kv_sharing_layer: Attention) -> tuple[torch.Tensor, int] | None:
 
     Returns ``(indices_padded, num_indices)``: ``indices_padded`` may be longer than
     ``num_indices`` (CUDA-graph padding repeats the last row); the KV-sharing layers were given
-    attention metadata for exactly these rows. ``None`` (profiling and warm-up runs, flag off)
-    means every row must go through the later layers.
+    attention metadata for exactly these rows. ``None`` means every row must go through the later
+    layers, with metadata for every row: profiling, warm-up and capture runs, the flag off, and
+    under Model Runner V2 (vLLM's default on CUDA) also decode-only steps and FULL CUDA-graph steps,
+    which V2 does not arm (the V1 runner, used on CPU, arms decode-only steps with every row).
     """
     attn_metadata = get_forward_context().attn_metadata
     if not isinstance(attn_metadata, dict):
@@ -62,3 +71,60 @@ def compile_unit(tag: str) -> AbstractContextManager[None]:
     from vllm.compilation.backends import set_model_tag  # imported late, as vLLM's own models do
 
     return set_model_tag(tag)
+
+
+PROMPT_LOGPROBS_REFUSED = (
+    "prompt logprobs are not available from a SwiftKV checkpoint served with prefill skipping: its prompt "
+    "tokens stop at the cutoff layer and have no logits. Serve it with prefill skipping off to get them "
+    "(same outputs, base-model prefill cost): additional_config={'swiftkv': {'prefill_skipping': False}}, "
+    """or on vLLM's command line --additional-config '{"swiftkv": {"prefill_skipping": false}}'."""
+)
+
+
+def _refuse_prompt_logprobs(vllm_config: VllmConfig, params, architectures: frozenset[str]) -> None:
+    if (isinstance(params, SamplingParams) and params.prompt_logprobs is not None
+            and vllm_config.cache_config.kv_sharing_fast_prefill
+            and vllm_config.model_config.architecture in architectures):
+        raise VLLMValidationError(PROMPT_LOGPROBS_REFUSED, parameter="prompt_logprobs")
+
+
+def refuse_prompt_logprobs(architectures: frozenset[str]) -> None:
+    """Refuse prompt-logprobs requests to our architectures under prefill skipping, with one message
+    in both entry points: the offline engine's input validation (``LLM``, ``LLMEngine``) and
+    ``AsyncLLM.add_request``, ahead of vLLM's own check there (which would tell users to turn off a
+    flag they never set). Idempotent."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    if getattr(InputProcessor._validate_params, "_swiftkv", False):
+        return
+    validate, add_request = InputProcessor._validate_params, AsyncLLM.add_request
+
+    @functools.wraps(validate)
+    def _validate_params(self, params, *args, **kwargs):
+        _refuse_prompt_logprobs(self.vllm_config, params, architectures)
+        return validate(self, params, *args, **kwargs)
+
+    @functools.wraps(add_request)
+    async def _add_request(self, request_id, prompt, params, *args, **kwargs):
+        _refuse_prompt_logprobs(self.vllm_config, params, architectures)
+        return await add_request(self, request_id, prompt, params, *args, **kwargs)
+
+    _validate_params._swiftkv = True
+    InputProcessor._validate_params = _validate_params
+    AsyncLLM.add_request = _add_request
+
+
+def check_no_breakable_cudagraphs(vllm_config: VllmConfig) -> None:
+    """Refuse breakable CUDA graphs with prefill skipping: they record the whole forward once per
+    batch size with every row and replay only attention eagerly, so on a mixed step the later
+    layers would run on the first rows instead of the logits rows (wrong logits, V1 and V2 alike).
+    Checked when the model is built: vLLM switches them on after our config hook has run."""
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    if (vllm_config.cache_config.kv_sharing_fast_prefill and is_breakable_cudagraph_enabled()
+            and vllm_config.compilation_config.cudagraph_mode.has_piecewise_cudagraphs()):
+        raise ValueError(
+            "SwiftKV prefill skipping gives wrong logits with breakable CUDA graphs: set "
+            "VLLM_USE_BREAKABLE_CUDAGRAPH=0, or serve with additional_config={'swiftkv': {'prefill_skipping': False}}"
+        )

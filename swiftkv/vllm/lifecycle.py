@@ -3,7 +3,7 @@
 vLLM 0.32's ``LLM`` has no ``close()``: its engine-core process (and that process's workers) stop
 when the engine client shuts down, which signals the process and returns before it has exited.
 Code that runs an engine inside a long-lived process (a Ray worker, a test session) calls
-:func:`shutdown_llm` so that nothing outlives the work, not even a zombie.
+:func:`shutdown_llm` so that nothing outlives the work.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.models.llama import LlamaMLP
 from vllm.model_executor.models.utils import maybe_prefix
 
-from swiftkv.modeling.model import layer_types
-from swiftkv.vllm.kv_internals import compile_unit, logits_rows, write_kv_cache
+from swiftkv.config import layer_types
+from swiftkv.vllm.kv_internals import check_no_breakable_cudagraphs, compile_unit, logits_rows, write_kv_cache
 from swiftkv.vllm.layout import SwiftKVLayout
 from swiftkv.vllm.weights import load_swiftkv_weights
 
@@ -231,6 +231,9 @@ class SwiftKVModel(nn.Module):
                     heads.head_dim**-0.5,
                     num_kv_heads=heads.num_kv_heads,
                     cache_config=vllm_config.cache_config,
+                    # As the layers that read this cache: an FP8 KV cache is written and read with
+                    # the same scales.
+                    quant_config=vllm_config.quant_config,
                     per_layer_sliding_window=_sliding_window(config, leader),
                     prefix=f"{prefix}.layers.{leader}.self_attn.swiftkv_cache",
                 )
@@ -249,6 +252,7 @@ class SwiftKVModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.swiftkv:
+            check_no_breakable_cudagraphs(vllm_config)
             with compile_unit("swiftkv_prefill"):
                 self.prefill = SwiftKVPrefill(vllm_config=vllm_config, prefix=f"{prefix}.prefill", model=self)
             with compile_unit("swiftkv_decode"):
@@ -287,7 +291,8 @@ class SwiftKVModel(nn.Module):
         num_tokens = hidden.shape[0]
         if rows is None or rows[1] == num_tokens:
             # Every row goes on, in order: warm-up, profiling and CUDA-graph capture runs, and
-            # decode-only steps (each token is its request's logits row).
+            # decode-only steps (each token is its request's logits row; see logits_rows for when
+            # each model runner arms fast prefill).
             self._rows_positions[:num_tokens].copy_(positions)
             self._rows_hidden[:num_tokens].copy_(hidden)
             return self.decode(self._rows_positions[:num_tokens], self._rows_hidden[:num_tokens])

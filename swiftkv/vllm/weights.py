@@ -100,8 +100,8 @@ def load_swiftkv_weights(
                 loader(param, tensor, shard)
         except (AssertionError, RuntimeError) as err:  # vLLM's loaders do not name the tensor
             raise ValueError(
-                f"checkpoint tensor {name} of shape {tuple(tensor.shape)} does not fit {param_name}: "
-                f"the checkpoint does not match its config ({err})"
+                f"checkpoint tensor {name} of shape {tuple(tensor.shape)} could not be loaded into {param_name} "
+                f"({err}); does the checkpoint match its config?"
             ) from err
         loaded.add(param_name)
     if model.config.swiftkv:
@@ -111,13 +111,14 @@ def load_swiftkv_weights(
 
 def _check_swiftkv_tensors(seen: set[str], layout: SwiftKVLayout) -> None:
     """vLLM reports parameters never loaded, but not a missing shard of a fused one (one group's
-    K/V inside ``kv_proj_swiftkv``): check the SwiftKV tensors the config calls for by name."""
+    K/V, or its bias, inside ``kv_proj_swiftkv``): check the SwiftKV tensors the config calls for by
+    name."""
     expected = {"model.norm_swiftkv.weight"}
+    kinds = ("weight", "bias") if layout.qkv_bias else ("weight",)  # a missing bias would load as garbage
     for layer in range(layout.num_kv_layers, layout.num_layers):
         attn = f"model.layers.{layer}.self_attn"
-        expected.add(f"{attn}.q_proj_swiftkv.weight")
-        if layer in layout.leaders:
-            expected |= {f"{attn}.k_proj_swiftkv.weight", f"{attn}.v_proj_swiftkv.weight"}
+        projections = ("q", "k", "v") if layer in layout.leaders else ("q",)
+        expected |= {f"{attn}.{p}_proj_swiftkv.{kind}" for p in projections for kind in kinds}
     if missing := sorted(expected - seen):
         raise ValueError(
             f"the checkpoint lacks {len(missing)} SwiftKV tensor(s) its config calls for "

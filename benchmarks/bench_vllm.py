@@ -39,7 +39,7 @@ class ServingBenchConfig(StrictConfig):
     """One benchmark run (``ray_jobs/configs/bench-*.yaml``); defaults are the issue's matrix."""
 
     model: str = "bundled"
-    """Base checkpoint: ``bundled`` (SmolLM2-135M-Instruct), ``random-llama`` (``swiftkv/random_llama.py``),
+    """Base checkpoint: ``bundled`` (SmolLM2-135M-Instruct), ``random-llama`` (``benchmarks/random_llama.py``),
     a local folder, a hub id or an ``s3://`` folder."""
 
     cutoff: float = Field(default=0.5, gt=0, lt=1)
@@ -138,12 +138,12 @@ def prepare_models(cfg: ServingBenchConfig) -> list[Variant]:
     control when asked for."""
     from transformers import AutoConfig
 
+    from benchmarks.random_llama import NAME as RANDOM_LLAMA
+    from benchmarks.random_llama import random_llama
     from swiftkv.bundled import copy_bundled_tokenizer
     from swiftkv.config import cutoff_from_fraction
     from swiftkv.convert import convert_checkpoint
     from swiftkv.model_source import resolve_model
-    from swiftkv.random_llama import NAME as RANDOM_LLAMA
-    from swiftkv.random_llama import random_llama
 
     work = Path(cfg.work_dir)
     if cfg.model == RANDOM_LLAMA:
