@@ -295,6 +295,10 @@ def test_simulate_and_report_write_their_figures(tmp_path, capsys):
     written = json.loads((tmp_path / "report" / "results.json").read_text())
     assert len(written["runs"]) == 12 and {t["target"].split(":")[0] for t in written["targets"]} == {
         "fast/prefill/prefill"}
+    # every run's figures are kept, and a second report reads them back instead of simulating again
+    assert len(list((tmp_path / "report" / "runs").glob("*.json"))) >= 12
+    assert main(["fleet", "report", "--config", str(report)]) == 0
+    assert json.loads((tmp_path / "report" / "results.json").read_text())["runs"] == written["runs"]
 
 
 def test_the_h100_profile_is_what_its_derivation_gives():

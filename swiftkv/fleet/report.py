@@ -13,10 +13,12 @@ requests of a replica that batches dozens).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from typing import Any, Literal
 
+import fsspec
 from pydantic import Field
 from tqdm import tqdm
 
@@ -71,6 +73,12 @@ class ReportConfig(StrictConfig):
     out: str = "artifacts/fleet/report"
     """Folder (or fsspec URI) for ``results.json``, ``report.md`` and ``timeline.png``."""
 
+    reuse_runs: bool = True
+    """Keep each run's figures under ``out/runs/`` (named by a hash of its fleet, traffic, variant figures
+    and miss budget) and reuse them: an interrupted report resumes, and reports over parts of the grid
+    (``--set variants=[base]``, run side by side) fill one cache a full report then reads. Delete the
+    folder after changing the simulator itself."""
+
 
 def run_key(variant: str, policy: str, router: str) -> str:
     return f"{variant}/{policy}/{router}"
@@ -101,14 +109,30 @@ class Grid:
             miss_budget: int | None = None) -> dict[str, Any]:
         label = run_key(variant, policy, router) + (f" x{replicas}" if policy == "static" else "")
         fleet = self.fleet(variant, policy, router, replicas, target)
+        cached = None
+        if self.cfg.reuse_runs:
+            key = hashlib.sha256(json.dumps(
+                {"fleet": fleet.model_dump(mode="json"), "traffic": self.cfg.traffic.model_dump(mode="json"),
+                 "figures": self.profile.figures(variant).model_dump(mode="json"), "miss_budget": miss_budget},
+                sort_keys=True).encode()).hexdigest()[:16]
+            fs, root = fsspec.core.url_to_fs(f"{self.cfg.out}/runs")
+            cached = f"{root}/{label.replace('/', '_').replace(' ', '_')}-{key}.json"
+            if fs.exists(cached):
+                with fs.open(cached, "r") as f:
+                    return json.load(f)
         with tqdm(total=round(self.trace.duration_s), desc=label, unit="sim s", leave=False) as bar:
             def progress(now: float) -> None:
                 bar.update(min(round(now), bar.total) - bar.n)
 
             result = simulate(fleet, self.trace, self.profile, progress, miss_budget)
-        return {"summary": summarize(result, self.cfg.fleet.slo_ttft_s),
-                "timeline": timeline(result, self.cfg.fleet.timeline_period_s),
-                "target_ongoing_requests": None if policy == "static" else fleet.autoscaling.target_ongoing_requests}
+        figures = {"summary": summarize(result, self.cfg.fleet.slo_ttft_s),
+                   "timeline": timeline(result, self.cfg.fleet.timeline_period_s),
+                   "target_ongoing_requests": None if policy == "static" else fleet.autoscaling.target_ongoing_requests}
+        if cached:
+            fs.makedirs(fs._parent(cached), exist_ok=True)
+            fs.pipe(cached, json.dumps(figures, default=str).encode())
+            figures = json.loads(json.dumps(figures, default=str))  # as a reuse reads it back
+        return figures
 
     def static(self, variant: str, router: str, guess: int) -> dict[str, Any]:
         """The smallest static fleet meeting the attainment target, to within 5% (bisection from ``guess``)."""

@@ -26,7 +26,7 @@ from swiftkv.fleet.serve_control import Autoscaler, Router, SimReplicaHandle
 from swiftkv.fleet.trace import Trace
 
 # Event kinds, in the order they are handled when they fall at the same time.
-READY, REPLICA, ARRIVAL, METRICS, STATS, CONTROL, TIMELINE = range(7)
+READY, REPLICA, ARRIVAL, METRICS, STATS, CONTROL, TIMELINE, DEADLINE = range(8)
 
 
 @dataclass
@@ -67,6 +67,7 @@ class Simulation:
         self.idle_ttft = [r.input_tokens / self.costs.prefill_rate(r.input_tokens) for r in self.requests]
         self.miss_budget = miss_budget
         self.misses = 0
+        self.missed: set[int] = set()  # requests counted as misses at their deadline
         self.now = 0.0
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = 0
@@ -198,7 +199,15 @@ class Simulation:
     def count_misses(self, finished: list[SimRequest]) -> None:
         """Requests an idle replica would have answered within the SLO but this fleet did not."""
         slo = self.cfg.slo_ttft_s
-        self.misses += sum(1 for r in finished if r.ttft_s > slo and self.idle_ttft[r.index] <= slo)
+        self.misses += sum(1 for r in finished
+                           if r.ttft_s > slo and self.idle_ttft[r.index] <= slo and r.index not in self.missed)
+
+    def deadline(self, index: int) -> None:
+        """A feasible request's SLO has passed: without a first token by now it has missed, whether it
+        waits at the router or in an engine's queue (a saturated fleet stops early, not hours later)."""
+        if self.requests[index].first_token_s is None:
+            self.missed.add(index)
+            self.misses += 1
 
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -223,6 +232,8 @@ class Simulation:
                 self.pending.append(self.requests[payload])
                 if payload + 1 < len(self.requests):
                     self.push(self.requests[payload + 1].arrival_s, ARRIVAL, payload + 1)
+                if self.miss_budget is not None and self.idle_ttft[payload] <= cfg.slo_ttft_s:
+                    self.push(self.now + cfg.slo_ttft_s, DEADLINE, payload)
                 await self.dispatch()
             elif kind == REPLICA:
                 number, version = payload
@@ -244,6 +255,8 @@ class Simulation:
                     self.routable.append(payload)
                     self.router.update_replicas([self.handles[n] for n in self.routable])
                     await self.dispatch()
+            elif kind == DEADLINE:
+                self.deadline(payload)
             else:
                 {METRICS: self.publish_metrics, STATS: self.publish_routing_stats, CONTROL: self.control,
                  TIMELINE: self.record_timeline}[kind]()
