@@ -8,9 +8,13 @@ and workers in their own processes, as in a replica) and measures:
 - prefill throughput, uncached prompt tokens/s, at each input length: ``num_prompts`` random
   prompts submitted at once with one output token each (the median of ``rounds``). The figure at
   the longest length is the ``prefill_tokens_per_s`` the autoscaler and router use;
-- decode step time at each batch size: the extra time of ``decode_tokens`` more output tokens.
+- decode step time at each batch size (128-token prompts), and at each context length for the
+  largest batch: the extra time of ``decode_tokens`` more output tokens;
+- the engine's own limits: KV-cache capacity in tokens, token budget per step, sequence cap, and
+  how long the engine took to start.
 
-The result is written as JSON (a profile) and printed as the YAML lines to paste into the config.
+The result is written as JSON, a profile the fleet simulator reads (``swiftkv/fleet/profile.py``),
+and printed as the YAML lines to paste into the config.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from typing import Any
 
 from serve_apps.config import ModelOptions
 
+DEFAULT_DECODE_CONTEXTS = (128, 1024)
+DECODE_BATCH_CONTEXT = 128  # prompt tokens of the decode-by-batch points
+
 
 def _hardware() -> str:
     import torch
@@ -34,7 +41,8 @@ def _hardware() -> str:
 
 
 def measure_replica(options: ModelOptions, input_lens: list[int], batches: list[int], num_prompts: int,
-                    rounds: int, decode_tokens: int = 32) -> dict[str, Any]:
+                    rounds: int, decode_contexts: list[int] = DEFAULT_DECODE_CONTEXTS,
+                    decode_tokens: int = 32) -> dict[str, Any]:
     """Run on the replica's kind of node: start the engine, measure, return the figures."""
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
@@ -46,15 +54,35 @@ def measure_replica(options: ModelOptions, input_lens: list[int], batches: list[
     kwargs = {k: v for k, v in options.engine_kwargs.items() if k in engine_fields}
     kwargs.update(enable_prefix_caching=False,
                   additional_config={"swiftkv": {"prefill_skipping": options.prefill_skipping}})
-    llm = LLM(model=resolve_model(options.model), **kwargs)
+    path = resolve_model(options.model)
+    start = time.perf_counter()
+    llm = LLM(model=path, **kwargs)
+    startup_s = time.perf_counter() - start
     try:
-        return _measure(llm, options, input_lens, batches, num_prompts, rounds, decode_tokens)
+        figures = _measure(llm, options, input_lens, batches, num_prompts, rounds, decode_contexts, decode_tokens)
+        return {**figures, "startup_s": startup_s}
     finally:  # stop the engine-core process now: the Ray worker that ran this task may live on
         shutdown_llm(llm)
 
 
+def _decode_step_s(llm, prompts, batch: int, context: int, rounds: int, decode_tokens: int, salt: int) -> float:
+    """Median over rounds of the extra seconds per output token of ``batch`` sequences of ``context``
+    prompt tokens (fresh prompts every run, so no prefix cache helps)."""
+    from benchmarks.bench_vllm import offline_throughput
+
+    steps = []
+    for r in range(rounds):
+        start = time.perf_counter()
+        offline_throughput(llm, prompts.batch(salt + r * 100 + batch, batch, context), 1)
+        short = time.perf_counter() - start
+        start = time.perf_counter()
+        offline_throughput(llm, prompts.batch(salt + 10**6 + r * 100 + batch, batch, context), 1 + decode_tokens)
+        steps.append((time.perf_counter() - start - short) / decode_tokens)
+    return statistics.median(steps)
+
+
 def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[int], num_prompts: int,
-             rounds: int, decode_tokens: int) -> dict[str, Any]:
+             rounds: int, decode_contexts: list[int], decode_tokens: int) -> dict[str, Any]:
     from benchmarks.bench_vllm import PromptMaker, offline_throughput
 
     context = llm.llm_engine.vllm_config.model_config.max_model_len
@@ -68,18 +96,13 @@ def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[in
         runs = [offline_throughput(llm, prompts.batch(r * 1000 + n, num_prompts, n), 1) for r in range(rounds)]
         prefill[str(n)] = statistics.median(runs) * n / (n + 1)  # uncached prompt tokens/s (drop the output token)
 
-    decode = {}
-    for batch in batches:
-        steps = []
-        for r in range(rounds):
-            batch_prompts = prompts.batch(10**6 + r * 100 + batch, batch, 128)
-            start = time.perf_counter()
-            offline_throughput(llm, batch_prompts, 1)
-            short = time.perf_counter() - start
-            start = time.perf_counter()
-            offline_throughput(llm, prompts.batch(2 * 10**6 + r * 100 + batch, batch, 128), 1 + decode_tokens)
-            steps.append((time.perf_counter() - start - short) / decode_tokens)
-        decode[str(batch)] = statistics.median(steps)
+    decode = {str(b): _decode_step_s(llm, prompts, b, DECODE_BATCH_CONTEXT, rounds, decode_tokens, 10**7)
+              for b in batches}
+    context_batch = max(batches)
+    contexts = sorted({min(n, context - decode_tokens - 2) for n in decode_contexts})
+    by_context = {str(n): _decode_step_s(llm, prompts, context_batch, n, rounds, decode_tokens, 10**8 + n)
+                  for n in contexts}
+    config = llm.llm_engine.vllm_config
     return {
         "model": options.model,
         "hardware": _hardware(),
@@ -87,6 +110,12 @@ def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[in
         "prefill_tokens_per_s": prefill[str(lens[-1])],
         "prefill_tokens_per_s_by_input_len": prefill,
         "decode_step_s_by_batch": decode,
+        "decode_context_tokens": DECODE_BATCH_CONTEXT,
+        "decode_step_s_by_context": by_context,
+        "decode_context_batch": context_batch,
+        "kv_cache_tokens": config.cache_config.num_gpu_blocks * config.cache_config.block_size,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
         "num_prompts": num_prompts,
         "rounds": rounds,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -94,7 +123,7 @@ def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[in
 
 
 def calibrate(models: list[ModelOptions], input_lens: list[int], batches: list[int], num_prompts: int,
-              rounds: int) -> dict[str, Any]:
+              rounds: int, decode_contexts: list[int] = DEFAULT_DECODE_CONTEXTS) -> dict[str, Any]:
     """Measure every model in a Ray task holding that model's replica resources (in turn, so the
     measurements never share a machine's cores)."""
     import ray
@@ -107,7 +136,8 @@ def calibrate(models: list[ModelOptions], input_lens: list[int], batches: list[i
             num_cpus=options.num_cpus, num_gpus=options.num_gpus, max_retries=0,
             runtime_env={"env_vars": dict(options.env)} if options.env else None,
         )
-        results[options.name] = ray.get(task.remote(options, input_lens, batches, num_prompts, rounds))
+        results[options.name] = ray.get(task.remote(options, input_lens, batches, num_prompts, rounds,
+                                                    decode_contexts))
     return {"models": results}
 
 
@@ -117,8 +147,12 @@ def format_profile(profile: dict[str, Any]) -> str:
         by_len = ", ".join(f"{n} tokens: {v:,.0f} tok/s"
                            for n, v in figures["prefill_tokens_per_s_by_input_len"].items())
         by_batch = ", ".join(f"batch {b}: {v * 1e3:.1f} ms" for b, v in figures["decode_step_s_by_batch"].items())
+        by_context = ", ".join(f"{n} tokens: {v * 1e3:.1f} ms" for n, v in figures["decode_step_s_by_context"].items())
         lines += [f"{name} on {figures['hardware']}:", f"  prefill (uncached) {by_len}",
-                  f"  decode step {by_batch}",
+                  f"  decode step {by_batch}; at batch {figures['decode_context_batch']} with contexts of "
+                  f"{by_context}",
+                  f"  engine: {figures['kv_cache_tokens']:,} KV tokens, {figures['max_num_batched_tokens']} tokens "
+                  f"per step, {figures['max_num_seqs']} sequences, started in {figures['startup_s']:.0f} s",
                   f"  -> in the serve config, models[name={name}]: prefill_tokens_per_s: "
                   f"{figures['prefill_tokens_per_s']:.0f}"]
     return "\n".join(lines)

@@ -94,7 +94,8 @@ class RoutingOptions(StrictConfig):
 
     prefix_margin_s: float = Field(default=1.0, ge=0)
     """``prefill``: keep a prompt on the replica holding its prefix until that replica's estimated
-    TTFT is this much worse than the best other replica's."""
+    TTFT is this much worse than the best other replica's (or, if less, the prefill time the cached
+    prefix saves)."""
 
     stats_period_s: float = Field(default=1.0, gt=0)
     """How often replicas report their load to the routers."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -52,18 +52,20 @@ class ReplicaLoad:
     """When the figures were taken (``time.time()``)."""
 
     def to_metrics(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+        return {name: float(getattr(self, name)) for name in _FIELD_NAMES}
 
     @classmethod
     def from_metrics(cls, metrics: dict[str, float] | None) -> ReplicaLoad:
         """Read the published dict back (unknown keys ignored, missing ones default)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: float(v) for k, v in (metrics or {}).items() if k in names})
+        return cls(**{k: float(v) for k, v in (metrics or {}).items() if k in _FIELD_NAMES})
 
     @property
     def uncached_tokens_waiting(self) -> float:
         """Expected prefill work of the backlog: waiting tokens that will miss the prefix cache."""
         return self.prompt_tokens_waiting * self.uncached_fraction
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(ReplicaLoad))  # read per replica per routed request
 
 
 def percentile(values: list[float], q: float) -> float:

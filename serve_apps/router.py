@@ -1,6 +1,7 @@
 """Routing on prefill load: each request goes to the replica with the lowest estimated time to first
 token, preferring the replica that already holds the prompt's prefix until its estimate exceeds the
-best other one's by a set margin.
+best other one's by a margin: a set one, or less, the prefill time that prefix saves (a system
+prompt every request shares must not herd them all onto one replica).
 
 A replica's estimate is ``(uncached tokens waiting + tokens this router sent it since its figures
 were taken + this prompt's uncached tokens) / its calibrated prefill rate``. The waiting tokens come
@@ -37,7 +38,8 @@ class PrefillRouterConfig(BaseModel):
 
     prefix_margin_s: float = Field(default=1.0, ge=0)
     """Keep a prompt on the replica holding its prefix until that replica's estimated TTFT exceeds
-    the best other replica's by more than this many seconds."""
+    the best other replica's by more than this many seconds, or by more than the prefill time the
+    cached prefix saves if that is less."""
 
     sent_memory_s: float = Field(default=30.0, gt=0)
     """Forget tokens this router sent a replica after this long even if no newer figures came."""
@@ -51,6 +53,7 @@ class Estimate:
     replica: Hashable
     ttft_s: float
     cached_blocks: int
+    saved_s: float = 0.0  # prefill time the replica's cached prefix of the prompt saves
 
 
 class PrefillRouterCore:
@@ -62,39 +65,48 @@ class PrefillRouterCore:
         self._sent: dict[Hashable, deque[tuple[float, float]]] = {}  # replica -> (time, tokens)
         self._prefix_owner: OrderedDict[int, Hashable] = OrderedDict()
 
-    def _cached_blocks(self, replica: Hashable, hint: PromptHint) -> int:
-        """The longest prefix of the prompt, in blocks, that this replica was the last to be sent
-        (chained hashes: block i stands for the whole prefix up to and including it)."""
-        matched = 0
-        for i, block in enumerate(hint.prefix_blocks):
-            if self._prefix_owner.get(block) == replica:
-                matched = i + 1
+    def _cached_blocks(self, hint: PromptHint) -> dict[Hashable, int]:
+        """For each replica that was the last to be sent some prefix of the prompt, the longest
+        such prefix in blocks (chained hashes: block i stands for the whole prefix up to and
+        including it). One pass over the blocks, whatever the number of replicas."""
+        matched: dict[Hashable, int] = {}
+        for i, block in enumerate(hint.prefix_blocks, start=1):
+            owner = self._prefix_owner.get(block)
+            if owner is not None:
+                matched[owner] = i
         return matched
 
     def _sent_since(self, replica: Hashable, since: float, now: float) -> float:
         sent = self._sent.get(replica)
         if not sent:
             return 0.0
-        while sent and sent[0][0] < now - self.config.sent_memory_s:
+        # A replica's figures only get newer, so what was sent before them is never counted again.
+        oldest = max(now - self.config.sent_memory_s, since)
+        while sent and sent[0][0] < oldest:
             sent.popleft()
-        return sum(tokens for t, tokens in sent if t >= since)
+        return sum(tokens for _, tokens in sent)
 
-    def estimate(self, replica: Hashable, load: ReplicaLoad, hint: PromptHint, now: float) -> Estimate:
+    def estimate(self, replica: Hashable, load: ReplicaLoad, hint: PromptHint, now: float,
+                 cached: int | None = None) -> Estimate:
+        """``cached``: the replica's prefix blocks of this prompt when the caller already knows them."""
         rate = load.prefill_capacity or self.config.prefill_tokens_per_s
-        cached = self._cached_blocks(replica, hint)
+        if cached is None:
+            cached = self._cached_blocks(hint).get(replica, 0)
         own = max(0.0, hint.prompt_tokens - cached * hint.block_tokens)
         pending = load.uncached_tokens_waiting + self._sent_since(replica, load.timestamp, now)
-        return Estimate(replica, (pending + own) / rate, cached)
+        return Estimate(replica, (pending + own) / rate, cached, (hint.prompt_tokens - own) / rate)
 
     def rank(self, replicas: list[tuple[Hashable, ReplicaLoad]], hint: PromptHint) -> list[Hashable]:
         """Replica ids, best first."""
         now = self.clock()
-        estimates = sorted((self.estimate(r, load, hint, now) for r, load in replicas), key=lambda e: e.ttft_s)
+        cached = self._cached_blocks(hint)
+        estimates = sorted((self.estimate(r, load, hint, now, cached.get(r, 0)) for r, load in replicas),
+                           key=lambda e: e.ttft_s)
         holders = [e for e in estimates if e.cached_blocks > 0]
         if holders:
             holder = max(holders, key=lambda e: e.cached_blocks)  # sorted: ties go to the faster one
             best_other = min((e.ttft_s for e in estimates if e.replica != holder.replica), default=float("inf"))
-            if holder.ttft_s <= best_other + self.config.prefix_margin_s:
+            if holder.ttft_s <= best_other + min(self.config.prefix_margin_s, holder.saved_s):
                 estimates.remove(holder)
                 estimates.insert(0, holder)
         return [e.replica for e in estimates]
@@ -132,7 +144,9 @@ class PrefillAwareRouter(RequestRouter):
     """Serve's request router for the model deployments (``request_router_config``)."""
 
     def initialize_state(self, **kwargs) -> None:
-        self.core = PrefillRouterCore(PrefillRouterConfig.model_validate(kwargs))
+        # Serve's own clock for routers (``get_curr_time_s``, time.time unless injected, as the
+        # fleet simulator does), so the core and Serve's queue-length cache agree on the time.
+        self.core = PrefillRouterCore(PrefillRouterConfig.model_validate(kwargs), self._get_curr_time_s)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         by_id = {r.replica_id: r for r in candidate_replicas}

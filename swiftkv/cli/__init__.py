@@ -20,6 +20,7 @@ VERB_MODULES = [
     "swiftkv.cli.simscore",
     "swiftkv.cli.serve",
     "swiftkv.cli.calibrate",
+    "swiftkv.cli.fleet",
 ]
 
 

@@ -1,0 +1,27 @@
+"""The replicas/TTFT timeline figure of one or more runs."""
+
+from __future__ import annotations
+
+from swiftkv.outputs import figure_png
+
+
+def timeline_png(timelines: dict[str, list[dict[str, float]]], slo_ttft_s: float) -> bytes:
+    """Replicas (top) and the TTFT p90 of each period's arrivals (bottom, log scale) over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    for label, rows in timelines.items():
+        minutes = [row["t"] / 60 for row in rows]
+        top.step(minutes, [row["replicas"] for row in rows], where="post", label=label)
+        bottom.plot(minutes, [row["ttft_p90_s"] for row in rows], label=label, linewidth=1)
+    bottom.axhline(slo_ttft_s, color="black", linestyle="--", linewidth=0.8, label="SLO")
+    top.set_ylabel("replicas (incl. starting, draining)")
+    bottom.set_ylabel("TTFT p90 of arrivals (s)")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("minutes")
+    top.legend(fontsize=8)
+    bottom.legend(fontsize=8)
+    return figure_png(fig, dpi=110)

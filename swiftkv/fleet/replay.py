@@ -1,0 +1,65 @@
+"""A trace replayed against a real OpenAI-compatible endpoint at its arrival times, each request sent
+and timed by vLLM's own benchmark request function (streamed ``/v1/completions``, TTFT measured at
+the first streamed token).
+
+Prompts are token ids built block by block from the trace's prefix block ids (a block's tokens are
+drawn from a generator seeded by its id), so two requests that share leading block ids share those
+tokens exactly and the engine's prefix cache sees the trace's reuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from swiftkv.fleet.trace import Trace, TraceRequest
+
+FIRST_TOKEN_ID = 10  # below this, special tokens in most vocabularies
+
+
+def prompt_ids(request: TraceRequest, index: int, block_tokens: int, vocab: int) -> list[int]:
+    """The request's prompt: one run of ``block_tokens`` ids per prefix block id, then (for a prompt
+    longer than its blocks) ids unique to the request; cut to its length."""
+    ids: list[int] = []
+    for block in request.blocks:
+        rng = random.Random(block)
+        ids += [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(block_tokens)]
+    if len(ids) < request.input_tokens:
+        rng = random.Random(f"request-{index}")
+        ids += [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(request.input_tokens - len(ids))]
+    return ids[: request.input_tokens]
+
+
+async def _send_all(base_url: str, model: str, trace: Trace, vocab: int, timeout_s: float,
+                    salt: int) -> list[dict[str, Any]]:
+    import aiohttp
+    from vllm.benchmarks.lib.endpoint_request_func import RequestFuncInput, async_request_openai_completions
+
+    prompts = [prompt_ids(r, i, trace.block_tokens, vocab) for i, r in enumerate(trace.requests)]
+    if salt:  # a warm-up pass: the same shapes, none of the trace's blocks
+        prompts = [[(t + salt) % (vocab - FIRST_TOKEN_ID) + FIRST_TOKEN_ID for t in p] for p in prompts]
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        start = time.perf_counter()
+        tasks = []
+        for request, prompt in zip(trace.requests, prompts, strict=True):
+            delay = start + request.arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            job = RequestFuncInput(prompt=prompt, api_url=f"{base_url}/v1/completions", prompt_len=len(prompt),
+                                   output_len=request.output_tokens, model=model, ignore_eos=True)
+            tasks.append(asyncio.create_task(async_request_openai_completions(job, session)))
+        outputs = await asyncio.gather(*tasks)
+    return [{"sent_s": out.start_time - start, "ttft_s": out.ttft if out.success else None,
+             "latency_s": out.latency if out.success else None, "output_tokens": out.output_tokens,
+             "error": out.error[:200] if not out.success else ""} for out in outputs]
+
+
+def replay(base_url: str, model: str, trace: Trace, vocab: int, timeout_s: float = 600.0,
+           warmup: bool = False) -> list[dict[str, Any]]:
+    """Send ``trace`` to ``base_url`` (``http://host:port``); one record per request, in trace order.
+    ``warmup``: the same lengths and timing with other token ids (nothing of it is cached for the real
+    pass)."""
+    return asyncio.run(_send_all(base_url, model, trace, vocab, timeout_s, 7919 if warmup else 0))

@@ -1,0 +1,146 @@
+"""Request traces in the Mooncake format, and the transformations a fleet study needs.
+
+One JSON object a line: ``timestamp`` (arrival, ms from the start), ``input_length`` and
+``output_length`` (tokens), ``hash_ids`` (prefix block hashes, ``block_tokens`` = 512 tokens a block:
+equal ids at the start of two requests mean a shared prefix; the last block may be partial).
+``/work/shared/traces/README.md`` describes the Mooncake FAST'25 conversation trace in this format.
+
+Scaling keeps the trace's structure: :func:`superpose` adds copies of the trace as independent user
+populations (disjoint block ids, each copy shifted in time) to raise the arrival rate without
+compressing conversations; :func:`scale_lengths` shrinks prompts block by block (so prefixes stay
+shared) for hardware that cannot run the real lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per prefix block in the Mooncake traces."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request: when it arrives, how long it is, which prefix blocks it starts with."""
+
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests in arrival order, and the size of their prefix blocks."""
+
+    requests: tuple[TraceRequest, ...]
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].arrival_s if self.requests else 0.0
+
+
+def _field(row: dict, key: str, where: str) -> int:
+    value = row.get(key)
+    if key not in row:
+        raise ValueError(f"{where}: missing {key!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+        raise ValueError(f"{where}: {key!r} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def parse_line(line: str, where: str) -> TraceRequest:
+    """One trace line; a ``ValueError`` naming ``where`` (file:line) and the problem otherwise."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not a JSON object ({err.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: not a JSON object")
+    arrival_ms = row.get("timestamp")
+    if isinstance(arrival_ms, bool) or not isinstance(arrival_ms, (int, float)) or not math.isfinite(arrival_ms) \
+            or arrival_ms < 0:
+        raise ValueError(f"{where}: 'timestamp' must be a non-negative number of milliseconds, got {arrival_ms!r}")
+    input_tokens = _field(row, "input_length", where)
+    if input_tokens < 1:
+        raise ValueError(f"{where}: 'input_length' must be at least 1")
+    blocks = row.get("hash_ids", [])
+    if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+        raise ValueError(f"{where}: 'hash_ids' must be a list of integers")
+    return TraceRequest(arrival_ms / 1000.0, input_tokens, _field(row, "output_length", where), tuple(blocks))
+
+
+def read_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Trace:
+    """Read a trace file (requests sorted by arrival; blank lines skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file not found: {path}")
+    requests = []
+    with path.open() as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                requests.append(parse_line(line, f"{path}:{number}"))
+    if not requests:
+        raise ValueError(f"{path}: no requests in the trace")
+    return Trace(tuple(sorted(requests, key=lambda r: r.arrival_s)), block_tokens)
+
+
+def write_trace(trace: Trace, path: str | Path) -> None:
+    """Write ``trace`` in the same format (what :func:`read_trace` reads back)."""
+    with Path(path).open("w") as out:
+        for r in trace.requests:
+            out.write(json.dumps({"timestamp": round(r.arrival_s * 1000, 3), "input_length": r.input_tokens,
+                                  "output_length": r.output_tokens, "hash_ids": list(r.blocks)}) + "\n")
+
+
+def window(trace: Trace, start_s: float = 0.0, duration_s: float | None = None, limit: int | None = None) -> Trace:
+    """The requests arriving in ``[start_s, start_s + duration_s)`` (at most ``limit``), re-timed from 0."""
+    end = math.inf if duration_s is None else start_s + duration_s
+    chosen = [replace(r, arrival_s=r.arrival_s - start_s) for r in trace.requests if start_s <= r.arrival_s < end]
+    if limit is not None:
+        chosen = chosen[:limit]
+    if not chosen:
+        raise ValueError(f"no requests between {start_s:g} s and {end:g} s of the trace")
+    return Trace(tuple(chosen), trace.block_tokens)
+
+
+def superpose(trace: Trace, copies: int) -> Trace:
+    """``copies`` independent copies of the trace at once: ``copies`` times the arrival rate with the
+    same shape. Copy ``j`` gets its own block ids (no prefix is shared across copies) and is shifted
+    by ``j / copies`` of the trace's length, wrapping around, so the copies' bursts do not line up."""
+    if copies < 1:
+        raise ValueError(f"copies must be at least 1, got {copies}")
+    span = trace.duration_s or 1.0
+    id_stride = 1 + max((b for r in trace.requests for b in r.blocks), default=0)
+    out = []
+    for j in range(copies):
+        shift = span * j / copies
+        for r in trace.requests:
+            out.append(replace(r, arrival_s=(r.arrival_s + shift) % span if j else r.arrival_s,
+                               blocks=tuple(b + j * id_stride for b in r.blocks)))
+    return Trace(tuple(sorted(out, key=lambda r: r.arrival_s)), trace.block_tokens)
+
+
+def stretch(trace: Trace, factor: float) -> Trace:
+    """Arrival times multiplied by ``factor`` (above 1: a slower replay)."""
+    if factor <= 0:
+        raise ValueError(f"the time factor must be positive, got {factor}")
+    return Trace(tuple(replace(r, arrival_s=r.arrival_s * factor) for r in trace.requests), trace.block_tokens)
+
+
+def scale_lengths(trace: Trace, block_tokens: int, max_input_tokens: int, max_output_tokens: int) -> Trace:
+    """Prompts shrunk by ``block_tokens / trace.block_tokens`` block by block (prefix sharing kept),
+    cut at ``max_input_tokens`` (whole blocks dropped from the end); outputs capped."""
+    factor = block_tokens / trace.block_tokens
+    max_blocks = max(1, max_input_tokens // block_tokens)
+    out = []
+    for r in trace.requests:
+        tokens = max(1, min(round(r.input_tokens * factor), max_blocks * block_tokens, max_input_tokens))
+        blocks = r.blocks[: math.ceil(tokens / block_tokens)]
+        out.append(replace(r, input_tokens=tokens, output_tokens=max(1, min(r.output_tokens, max_output_tokens)),
+                           blocks=blocks))
+    return Trace(tuple(out), block_tokens)

@@ -1,0 +1,173 @@
+"""``swiftkv fleet validate``: the simulator against the real thing. The same trace slice is replayed
+against a real ``swiftkv serve`` endpoint (fixed replicas, started here and stopped afterwards) and
+through the simulator with the profile measured on this machine; TTFT p50/p90 and throughput are
+compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from serve_apps.load import percentile
+from swiftkv.fleet.config import FleetConfig, FleetSettings, TrafficConfig
+from swiftkv.fleet.profile import load_profile
+from swiftkv.fleet.replay import replay
+from swiftkv.fleet.results import summarize
+from swiftkv.fleet.simulator import simulate
+from swiftkv.fleet.trace import window
+from swiftkv.outputs import write_files
+from swiftkv.yaml_config import StrictConfig, read_yaml_mapping
+
+
+class ValidateConfig(StrictConfig):
+    """A validation run: one trace slice, a real endpoint and the simulator."""
+
+    traffic: TrafficConfig
+    """The slice (scaled so the real replicas keep up and its prompts fit the model)."""
+
+    profile: str
+    """The profile measured on this machine with the serve config's engine settings."""
+
+    model: str = "swiftkv-50"
+    """The profile's variant the served model is."""
+
+    serve_config: str = "swiftkv/fleet/configs/serve-smollm2-cpu-2-replicas.yaml"
+    """The Serve config ``swiftkv serve`` runs (its first model is the one replayed against)."""
+
+    replicas: int = Field(default=2, gt=0)
+    """Replicas of the served model, fixed, in both."""
+
+    fleet: FleetSettings = FleetSettings()
+    """The simulated fleet's settings; its routing and ``max_ongoing_requests`` are also given to the
+    real deployment, so both route alike."""
+
+    port: int = Field(default=8040, gt=0)
+    """The endpoint's port on 127.0.0.1."""
+
+    metrics_port: int = Field(default=8041, gt=0)
+    """Ray's metrics port of the served application."""
+
+    warmup_requests: int = Field(default=4, ge=0)
+    """Untimed requests of the slice's first lengths, with other tokens, before the replay."""
+
+    request_timeout_s: float = Field(default=900.0, gt=0)
+    """No request may take longer."""
+
+    startup_timeout_s: float = Field(default=900.0, gt=0)
+    """``swiftkv serve`` must be ready within this."""
+
+    tolerance: float = Field(default=0.15, gt=0)
+    """The target: simulated within this share of measured."""
+
+    out: str = "artifacts/fleet/validate"
+    """Folder (or fsspec URI) for ``validation.json``."""
+
+
+def _served_name(cfg: ValidateConfig) -> str:
+    tree = read_yaml_mapping(cfg.serve_config)
+    apps = tree.get("applications") or [{"args": tree}]
+    return apps[0]["args"]["models"][0]["name"]
+
+
+@contextmanager
+def serving(cfg: ValidateConfig, prefill_tokens_per_s: float):
+    """``swiftkv serve`` in a subprocess until the block ends (then SIGTERM: it drains and stops)."""
+    routing = cfg.fleet.routing
+    sets = {"models.0.prefill_tokens_per_s": prefill_tokens_per_s, "models.0.max_ongoing_requests":
+            cfg.fleet.max_ongoing_requests, "models.0.autoscaling.min_replicas": cfg.replicas,
+            "models.0.autoscaling.max_replicas": cfg.replicas, "models.0.routing.router": routing.router,
+            "models.0.routing.prefix_margin_s": routing.prefix_margin_s,
+            "models.0.routing.stats_period_s": routing.stats_period_s}
+    command = [str(Path(sys.executable).parent / "swiftkv"), "serve", "--config", cfg.serve_config,
+               "--port", str(cfg.port), "--metrics-port", str(cfg.metrics_port),
+               *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))]
+    print("starting:", " ".join(command), flush=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_ADDRESS": "local"})
+    ready = threading.Event()
+    log: list[str] = []
+
+    def watch() -> None:
+        for line in proc.stdout:
+            log.append(line)
+            if "swiftkv serve: ready" in line:
+                ready.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while not ready.wait(2.0):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("swiftkv serve did not come up:\n" + "".join(log[-40:]))
+        yield f"http://127.0.0.1:{cfg.port}"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _figures(ttfts: list[float | None], outputs: list[int], ends: list[float]) -> dict[str, Any]:
+    ok = [t for t in ttfts if t is not None]
+    span = max(ends) if ends else float("nan")
+    return {"requests": len(ttfts), "failed": len(ttfts) - len(ok),
+            "ttft_p50_s": percentile(ok, 50) if ok else None, "ttft_p90_s": percentile(ok, 90) if ok else None,
+            "output_tokens_per_s": sum(outputs) / span, "requests_per_s": len(ok) / span}
+
+
+def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
+    trace = cfg.traffic.build()
+    profile = load_profile(cfg.profile)
+    figures = profile.figures(cfg.model)
+    tokenizer_vocab = 32000
+    with serving(cfg, figures.prefill_tokens_per_s) as url:
+        model = _served_name(cfg)
+        if cfg.warmup_requests:
+            replay(url, model, window(trace, limit=cfg.warmup_requests), tokenizer_vocab, cfg.request_timeout_s,
+                   warmup=True)
+        t0 = time.time()
+        measured = replay(url, model, trace, tokenizer_vocab, cfg.request_timeout_s)
+        wall_s = time.time() - t0
+    real = _figures([m["ttft_s"] for m in measured], [m["output_tokens"] or 0 for m in measured],
+                    [m["sent_s"] + (m["latency_s"] or 0) for m in measured])
+    run = simulate(FleetConfig(**cfg.fleet.model_dump(), model=cfg.model, static_replicas=cfg.replicas), trace,
+                   profile)
+    sim = _figures([r.ttft_s for r in run.requests], [r.output_tokens for r in run.requests if r.finish_s],
+                   [r.finish_s for r in run.requests if r.finish_s is not None])
+    ratios = {k: sim[k] / real[k] for k in ("ttft_p50_s", "ttft_p90_s", "output_tokens_per_s")
+              if real[k] and sim[k] is not None}
+    result = {
+        "config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
+        "measured": real, "simulated": sim, "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
+        "simulated_over_measured": ratios,
+        "within_tolerance": {k: abs(v - 1) <= cfg.tolerance for k, v in ratios.items()},
+        "per_request": [{**m, "simulated_ttft_s": r.ttft_s, "input_tokens": r.input_tokens,
+                         "uncached_tokens_simulated": r.uncached_tokens}
+                        for m, r in zip(measured, run.requests, strict=True)],
+    }
+    write_files(cfg.out, {"validation.json": json.dumps(result, indent=1).encode()})
+    return result
+
+
+def format_validation(result: dict[str, Any]) -> str:
+    rows = ["| figure | measured | simulated | simulated / measured |", "|---|---:|---:|---:|"]
+    for key, label in (("ttft_p50_s", "TTFT p50 (s)"), ("ttft_p90_s", "TTFT p90 (s)"),
+                       ("output_tokens_per_s", "output tokens/s")):
+        real, sim = result["measured"][key], result["simulated"][key]
+        ratio = result["simulated_over_measured"].get(key)
+        rows.append(f"| {label} | {real:.3g} | {sim:.3g} | {ratio:.2f} |" if ratio else f"| {label} | - | - | - |")
+    return "\n".join(rows) + f"\n\nrequests: {result['requests']}, failed (measured): {result['measured']['failed']}"

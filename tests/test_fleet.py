@@ -1,0 +1,307 @@
+"""The fleet simulator: exact answers on tiny traces, the real policy and routers in the loop,
+profiles, traces and configs, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import serve_apps.policy
+import serve_apps.router
+from swiftkv.fleet.config import FleetConfig, TrafficConfig
+from swiftkv.fleet.profile import ModelFigures, Profile, ReplicaCosts, load_profile, save_profile
+from swiftkv.fleet.results import summarize
+from swiftkv.fleet.simulator import simulate
+from swiftkv.fleet.synthetic import SyntheticConfig, generate
+from swiftkv.fleet.trace import Trace, TraceRequest, read_trace, scale_lengths, superpose, window, write_trace
+
+PROFILES = Path(__file__).resolve().parents[1] / "swiftkv" / "fleet" / "profiles"
+
+
+def figures(rate: float = 1000.0, step_s: float = 0.01, budget: int = 257, kv_tokens: int = 10**6,
+            startup_s: float = 0.0) -> ModelFigures:
+    """A replica with a constant prefill rate and a constant decode step: TTFTs by hand."""
+    return ModelFigures(model="m", hardware="hand", prefill_tokens_per_s=rate,
+                        prefill_tokens_per_s_by_input_len={1: rate}, decode_step_s_by_batch={1: step_s},
+                        kv_cache_tokens=kv_tokens, max_num_batched_tokens=budget, max_num_seqs=16,
+                        startup_s=startup_s)
+
+
+def run(requests: list[TraceRequest], fleet: dict, block_tokens: int = 100, **figure_kwargs):
+    trace = Trace(tuple(requests), block_tokens)
+    cfg = FleetConfig(model="m", **fleet)
+    return simulate(cfg, trace, Profile(models={"m": figures(**figure_kwargs)}))
+
+
+def blocks(start: int, count: int) -> tuple[int, ...]:
+    return tuple(range(start, start + count))
+
+
+def test_one_replica_ttfts_are_exact():
+    """1000 tokens at 1000 tok/s: 1 s. The second prompt is prefilled in chunks of 256 tokens beside
+    one decoding sequence: three steps of 0.01 + 0.256 s, then 0.01 + 0.232 s; the first sequence's
+    100 decode steps (4 of them beside that prefill) finish at 3 s."""
+    a = TraceRequest(0.0, 1000, 101, blocks(0, 10))
+    b = TraceRequest(1.0, 1000, 1, blocks(100, 10))
+    result = run([a, b], {"static_replicas": 1})
+    first, second = result.requests
+    assert first.ttft_s == pytest.approx(1.0)
+    assert second.ttft_s == pytest.approx(3 * 0.266 + 0.242)
+    assert first.finish_s == pytest.approx(3.0)
+    assert second.finish_s == second.first_token_s
+
+
+def test_prompts_finishing_in_one_step_get_their_first_tokens_together():
+    """The first prompt starts a step alone (0.3 s); the two queued behind it share the next step
+    (0.6 s) and get their first tokens together; one arriving during that step waits for the next."""
+    burst = [TraceRequest(0.0, 300, 1, blocks(10 * i, 3)) for i in range(3)] + [TraceRequest(0.5, 100, 1, (99,))]
+    result = run(burst, {"static_replicas": 1}, budget=4096)
+    assert [r.first_token_s for r in result.requests] == pytest.approx([0.3, 0.9, 0.9, 1.0])
+
+
+def test_queued_prompts_wait_their_turn_and_a_cached_prefix_is_not_recomputed():
+    a = TraceRequest(0.0, 1000, 1, blocks(0, 10))
+    b = TraceRequest(0.5, 500, 1, blocks(50, 5))  # arrives while the first prefills: waits 0.5 s
+    c = TraceRequest(5.0, 1200, 1, blocks(0, 12))  # its first 10 blocks are cached: 200 tokens to compute
+    result = run([a, b, c], {"static_replicas": 1}, budget=4096)
+    assert [r.ttft_s for r in result.requests] == pytest.approx([1.0, 1.0, 0.2])
+    assert [r.uncached_tokens for r in result.requests] == [1000, 500, 200]
+
+
+def test_kv_capacity_holds_requests_back_and_lru_evicts():
+    # Room for 12 blocks of 100 tokens: the second request (10 blocks + output room) waits for the first.
+    a = TraceRequest(0.0, 1000, 101, blocks(0, 10))
+    b = TraceRequest(0.0, 1000, 1, blocks(20, 10))
+    result = run([a, b], {"static_replicas": 1}, kv_tokens=1200, budget=4096)
+    first, second = result.requests
+    assert second.first_token_s == pytest.approx(first.finish_s + 1.0)
+    again = run([a, b, TraceRequest(10.0, 1000, 1, blocks(0, 10))], {"static_replicas": 1}, kv_tokens=1200,
+                budget=4096)
+    assert again.requests[2].uncached_tokens == 1000  # the first prompt's blocks were evicted for the second's
+
+
+def test_serve_delays_run_on_the_simulated_clock():
+    """A burst needs more replicas; Serve's upscale delay (wall clock in Serve) holds on simulated time."""
+    burst = [TraceRequest(0.1 * i, 2000, 1, blocks(100 * i, 20)) for i in range(200)]
+    result = run(burst, {"autoscaling": {"min_replicas": 1, "max_replicas": 8, "upscale_delay_s": 7.0,
+                                         "ttft_budget_s": 2.0}}, startup_s=5.0)
+    ups = [t for t, old, new in result.scale_events if new > old]
+    assert ups and ups[0] >= 7.0
+    assert summarize(result, 2.0)["peak_replicas"] > 1
+
+
+def _light_load() -> list[TraceRequest]:
+    return [TraceRequest(float(i), 200, 1, blocks(10 * i, 2)) for i in range(60)]
+
+
+def test_the_real_policy_decides(monkeypatch):
+    fleet = {"autoscaling": {"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 0.0}}
+    assert run(_light_load(), fleet).scale_events == []  # 200 tok/s against 1000: one replica holds
+    calls = []
+
+    def always_more(loads, current, cfg):
+        calls.append(current)
+        return serve_apps.policy.Decision(current + 1, "more")
+
+    monkeypatch.setattr(serve_apps.policy, "decide", always_more)
+    result = run(_light_load(), fleet)
+    assert calls and [new for _, _, new in result.scale_events][:3] == [2, 3, 4]
+
+
+def test_serves_request_count_policy_is_the_baseline(monkeypatch):
+    fleet = {"autoscaling": {"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 0.0, "policy": "requests",
+                             "target_ongoing_requests": 0.5}}
+    busy = [TraceRequest(0.5 * i, 200, 50, blocks(10 * i, 2)) for i in range(60)]
+    assert run(busy, fleet).scale_events  # about one ongoing request against a target of 0.5
+    monkeypatch.setattr(serve_apps.policy, "decide", lambda *a: pytest.fail("our policy must not run"))
+    run(busy, fleet)
+
+
+def _two_replicas(router: str, requests: list[TraceRequest]):
+    return run(requests, {"static_replicas": 2, "routing": {"router": router}})
+
+
+def _placement(result) -> list[int]:
+    return [r.replica for r in result.requests]
+
+
+def test_the_real_router_places_requests(monkeypatch):
+    requests = [TraceRequest(0.0, 3000, 1, blocks(0, 30)), TraceRequest(0.1, 100, 1, blocks(100, 1))]
+    assert sorted(_placement(_two_replicas("prefill", requests))) == [0, 1]  # the short prompt skips the queue
+    monkeypatch.setattr(serve_apps.router.PrefillRouterCore, "rank",
+                        lambda self, replicas, hint: sorted((r for r, _ in replicas), key=lambda r: r.unique_id))
+    assert _placement(_two_replicas("prefill", requests)) == [0, 0]
+
+
+def test_the_router_keeps_a_prefix_where_it_is_cached():
+    first = TraceRequest(0.0, 1000, 1, blocks(0, 10))
+    others = [TraceRequest(5.0 + i, 1000 + 100 * i, 1, blocks(0, 10) + blocks(1000 + 10 * i, 1 + i))
+              for i in range(4)]
+    result = _two_replicas("prefill", [first, *others])
+    assert len(set(_placement(result))) == 1 and all(r.uncached_tokens <= 500 for r in result.requests[1:])
+
+
+def test_serves_power_of_two_router_is_the_baseline(monkeypatch):
+    from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+
+    requests = [TraceRequest(0.01 * i, 500, 20, blocks(10 * i, 5)) for i in range(20)]
+    assert len(set(_placement(_two_replicas("pow2", requests)))) == 2
+
+    async def first_only(self, candidate_replicas, pending_request=None):
+        return [[min(candidate_replicas, key=lambda r: r.replica_id.unique_id)]]
+
+    monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", first_only)
+    monkeypatch.setattr(serve_apps.router.PrefillRouterCore, "rank", lambda *a: pytest.fail("ours must not run"))
+    assert set(_placement(_two_replicas("pow2", requests))) == {0}
+
+
+def test_max_ongoing_requests_holds_requests_at_the_router():
+    requests = [TraceRequest(0.0, 100, 200, blocks(10 * i, 1)) for i in range(3)]
+    result = run(requests, {"static_replicas": 1, "max_ongoing_requests": 2}, budget=4096)
+    third = result.requests[2]
+    assert third.routed_s == pytest.approx(min(r.finish_s for r in result.requests[:2]))
+
+
+def test_costs_interpolate_and_fit_decode():
+    f = ModelFigures(model="m", hardware="h", prefill_tokens_per_s=500, prefill_tokens_per_s_by_input_len={
+        1000: 1000, 3000: 500}, decode_step_s_by_batch={1: 0.0111, 9: 0.0199}, decode_context_tokens=100,
+        decode_step_s_by_context={100: 0.0199, 1100: 0.0289}, decode_context_batch=9, kv_cache_tokens=1,
+        max_num_batched_tokens=1, max_num_seqs=1, startup_s=0)
+    costs = ReplicaCosts.from_figures(f)
+    assert [costs.prefill_rate(n) for n in (10, 2000, 9000)] == pytest.approx([1000, 750, 500])
+    # step = 0.01 + 0.001 * batch + 1e-6 * context tokens: exactly the points above
+    assert costs.decode_step_s(4, 4000) == pytest.approx(0.01 + 0.004 + 0.004)
+    assert costs.decode_step_s(0, 0) == 0
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in PROFILES.glob("*.json")))
+def test_committed_profiles_round_trip(name, tmp_path):
+    """The committed profiles (the CPU one as `swiftkv calibrate` wrote it) read, write and read back equal,
+    and every variant gives costs."""
+    profile = load_profile(PROFILES / name)
+    save_profile(profile, tmp_path / "again.json")
+    assert load_profile(tmp_path / "again.json") == profile
+    for figures_ in profile.models.values():
+        costs = ReplicaCosts.from_figures(figures_)
+        assert costs.prefill_rate(1000) > 0 and costs.decode_step_s(8, 8000) > 0
+
+
+def test_calibration_output_is_a_profile(tmp_path):
+    from serve_apps.calibrate import format_profile
+
+    profile = load_profile(PROFILES / "cpu-smollm2.json")
+    raw = json.loads((PROFILES / "cpu-smollm2.json").read_text())
+    assert "prefill_tokens_per_s: " in format_profile(raw)  # calibrate's own printer reads the same file
+    assert set(raw["models"]) == set(profile.models) == {"base", "swiftkv-50", "swiftkv-50-acrosskv"}
+
+
+def test_traces_read_write_window_superpose_and_scale(tmp_path):
+    trace = Trace((TraceRequest(0.0, 1000, 5, (0, 1)), TraceRequest(2.0, 600, 3, (0, 2)),
+                   TraceRequest(4.0, 300, 1, (3,))), 512)
+    write_trace(trace, tmp_path / "t.jsonl")
+    assert read_trace(tmp_path / "t.jsonl") == trace
+    assert [r.arrival_s for r in window(trace, 1.0, 2.0).requests] == [1.0]
+    doubled = superpose(trace, 2)
+    assert len(doubled.requests) == 6 and sorted(r.arrival_s for r in doubled.requests) == [0, 0, 2, 2, 2, 4]
+    ids = [set(b for r in doubled.requests if r.input_tokens == n for b in r.blocks) for n in (1000, 600)]
+    assert ids == [{0, 1, 4, 5}, {0, 2, 4, 6}]  # each copy its own ids, shared prefixes kept within a copy
+    small = scale_lengths(trace, 64, 100, 2)
+    assert [(r.input_tokens, r.output_tokens, r.blocks) for r in small.requests] == [(64, 2, (0,)), (64, 2, (0,)),
+                                                                                     (38, 1, (3,))]
+
+
+def test_synthetic_traffic_is_poisson_and_conversations_share_prefixes():
+    cfg = SyntheticConfig(duration_s=2000, rate=2.0, followup_share=0.5, block_tokens=100, seed=3)
+    trace = generate(cfg)
+    assert trace == generate(cfg)
+    assert len(trace.requests) / cfg.duration_s == pytest.approx(2.0, rel=0.1)
+    firsts = {r.blocks[0] for r in trace.requests if r.blocks}
+    assert len(firsts) < 0.7 * len(trace.requests)  # follow-ups start with an earlier turn's blocks
+    ramp = generate(cfg.model_copy(update={"rate_schedule": [(1000.0, 0.0)]}))
+    assert max(r.arrival_s for r in ramp.requests) < 1000
+
+
+def test_the_committed_trace_slice_reads_and_scales():
+    slice_ = PROFILES.parent / "data" / "mooncake_conversation_first_minute.jsonl"
+    trace = read_trace(slice_)
+    assert len(trace.requests) == 162 and trace.duration_s < 60 and trace.block_tokens == 512
+    built = TrafficConfig(trace=str(slice_), copies=2, time_factor=3.0,
+                          lengths={"block_tokens": 16, "max_input_tokens": 1536, "max_output_tokens": 16}).build()
+    assert len(built.requests) == 324 and built.duration_s < 180 and built.block_tokens == 16
+    assert max(r.input_tokens for r in built.requests) == 1536 and max(r.output_tokens for r in built.requests) == 16
+
+
+def test_bad_input_is_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 5,\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object"):
+        read_trace(bad)
+    bad.write_text('{"timestamp": 0, "input_length": -3, "output_length": 1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: 'input_length' must be a non-negative integer"):
+        read_trace(bad)
+    with pytest.raises(FileNotFoundError, match="trace file not found"):
+        read_trace(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="the profile has no model 'large'"):
+        Profile(models={"m": figures()}).figures("large")
+    with pytest.raises(ValueError, match="exactly one of trace"):
+        TrafficConfig()
+
+
+def test_the_cli_names_a_bad_config_key(tmp_path, capsys):
+    from swiftkv.cli import main
+
+    config = tmp_path / "sim.yaml"
+    config.write_text(f"traffic: {{trace: {tmp_path / 'none.jsonl'}}}\nprofile: {PROFILES / 'cpu-smollm2.json'}\n"
+                      "fleet: {model: base, static_replica: 2}\n")
+    assert main(["fleet", "simulate", "--config", str(config)]) == 2
+    assert "fleet.static_replica: unknown key" in capsys.readouterr().err
+    config.write_text(f"traffic: {{trace: {tmp_path / 'none.jsonl'}}}\nprofile: {PROFILES / 'cpu-smollm2.json'}\n"
+                      "fleet: {model: base}\n")
+    assert main(["fleet", "simulate", "--config", str(config)]) == 2
+    assert "trace file not found" in capsys.readouterr().err
+    assert main(["fleet", "simulate", "--config", str(config), "--set", "profile=/nope.json"]) == 2
+    assert "profile not found: /nope.json" in capsys.readouterr().err
+
+
+def test_a_fleet_search_stops_a_failing_run_early():
+    burst = [TraceRequest(0.01 * i, 2000, 1, blocks(100 * i, 20)) for i in range(300)]
+    full = run(burst, {"static_replicas": 1})
+    cfg = FleetConfig(model="m", static_replicas=1)
+    partial = simulate(cfg, Trace(tuple(burst), 100), Profile(models={"m": figures()}), miss_budget=5)
+    assert partial.stopped_early and not full.stopped_early
+    assert sum(r.finish_s is not None for r in partial.requests) < sum(r.finish_s is not None for r in full.requests)
+
+
+def test_simulate_and_report_write_their_figures(tmp_path, capsys):
+    from swiftkv.cli import main
+
+    profile = tmp_path / "profile.json"
+    save_profile(Profile(models={"base": figures(rate=2000.0), "fast": figures(rate=4000.0)}), profile)
+    traffic = ("{synthetic: {duration_s: 120, rate: 3, input_tokens_mean: 800, output_tokens_mean: 20, "
+               "block_tokens: 100}}")
+    sim = tmp_path / "sim.yaml"
+    sim.write_text(f"traffic: {traffic}\nprofile: {profile}\nfleet: {{model: base}}\nout: {tmp_path / 'sim'}\n")
+    assert main(["fleet", "simulate", "--config", str(sim)]) == 0
+    results = json.loads((tmp_path / "sim" / "results.json").read_text())
+    assert results["summary"]["requests"] > 300 and (tmp_path / "sim" / "timeline.png").stat().st_size > 0
+    report = tmp_path / "report.yaml"
+    report.write_text(f"traffic: {traffic}\nprofile: {profile}\nvariants: [base, fast]\nout: {tmp_path / 'report'}\n"
+                      "main: [base/static/pow2, fast/prefill/prefill]\n")
+    assert main(["fleet", "report", "--config", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "| fast | ours (prefill) | prefill |" in out and "| base | static x" in out
+    written = json.loads((tmp_path / "report" / "results.json").read_text())
+    assert len(written["runs"]) == 12 and {t["target"].split(":")[0] for t in written["targets"]} == {
+        "fast/prefill/prefill"}
+    # every run's figures are kept, and a second report reads them back instead of simulating again
+    assert len(list((tmp_path / "report" / "runs").glob("*.json"))) >= 12
+    assert main(["fleet", "report", "--config", str(report)]) == 0
+    assert json.loads((tmp_path / "report" / "results.json").read_text())["runs"] == written["runs"]
+
+
+def test_the_h100_profile_is_what_its_derivation_gives():
+    from swiftkv.fleet.paper_profile import derive
+
+    assert derive() == load_profile(PROFILES / "h100-llama-3.1-8b.json")
