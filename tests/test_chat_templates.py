@@ -440,7 +440,7 @@ def test_one_rendering_with_every_reply_marked_gives_the_per_reply_spans(family,
     messages = CONVERSATIONS[name]
     text, spans = assistant_spans(tokenizer, messages)
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-    trimmed = any(reply(messages[k]["content"]).startswith(messages[k]["content"]) is False for k in turns)
+    trimmed = any(not reply(messages[k]["content"]).startswith(messages[k]["content"]) for k in turns)
     assert (chat_tokens._spans_in_one_rendering(tokenizer, messages, text, turns) is None) == trimmed
     monkeypatch.setattr(chat_tokens, "_spans_in_one_rendering", lambda *args: None)
     assert assistant_spans(tokenizer, messages) == (text, spans)

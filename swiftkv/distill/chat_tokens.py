@@ -81,24 +81,24 @@ def _spans_in_one_rendering(
     marked = [dict(m) for m in messages]
     for k, marker in zip(turns, markers, strict=True):
         marked[k]["content"] = marker
-    rendered, spans = _render(tokenizer, marked), []
+    rendered = _render(tokenizer, marked)
     pieces: list[str] = []
     for marker in markers:
         before, sep, rendered = rendered.partition(marker)
         if not sep or marker in rendered:
             return None
         pieces.append(before)
-    position = 0
-    for piece, k in zip(pieces, turns, strict=True):
-        position += len(piece)
-        spans.append((position, position + len(messages[k]["content"])))
-        position = spans[-1][1]
     if "".join(p + messages[k]["content"] for p, k in zip(pieces, turns, strict=True)) + rendered != text:
         return None
-    first, last = (_closing(tokenizer, messages, k, text, spans[i][1]) for i, k in ((0, turns[0]), (-1, turns[-1])))
-    if first != last:
+    spans, position = [], 0
+    for piece, k in zip(pieces, turns, strict=True):
+        start = position + len(piece)
+        position = start + len(messages[k]["content"])
+        spans.append((start, position))
+    closing = _closing(tokenizer, messages, turns[0], text, spans[0][1])
+    if _closing(tokenizer, messages, turns[-1], text, spans[-1][1]) != closing:
         return None
-    return [(start, end + first) for start, end in spans]
+    return [(start, end + closing) for start, end in spans]
 
 
 def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
