@@ -274,7 +274,7 @@ def test_a_fleet_search_stops_a_failing_run_early():
     assert sum(r.finish_s is not None for r in partial.requests) < sum(r.finish_s is not None for r in full.requests)
 
 
-def test_simulate_and_report_write_their_figures(tmp_path, capsys):
+def test_simulate_and_report_write_their_figures(tmp_path, capsys, monkeypatch):
     from swiftkv.cli import main
 
     profile = tmp_path / "profile.json"
@@ -297,6 +297,7 @@ def test_simulate_and_report_write_their_figures(tmp_path, capsys):
         "fast/prefill/prefill"}
     # every run's figures are kept, and a second report reads them back instead of simulating again
     assert len(list((tmp_path / "report" / "runs").glob("*.json"))) >= 12
+    monkeypatch.setattr("swiftkv.fleet.report.simulate", lambda *args, **kwargs: pytest.fail("simulated again"))
     assert main(["fleet", "report", "--config", str(report)]) == 0
     assert json.loads((tmp_path / "report" / "results.json").read_text())["runs"] == written["runs"]
 
@@ -305,3 +306,29 @@ def test_the_h100_profile_is_what_its_derivation_gives():
     from swiftkv.fleet.paper_profile import derive
 
     assert derive() == load_profile(PROFILES / "h100-llama-3.1-8b.json")
+
+
+def test_the_validation_table_names_each_ratio_and_the_replicas_slowdown():
+    from swiftkv.fleet.validate import format_validation
+
+    figures = {"ttft_p50_s": 8.59, "ttft_p90_s": 17.1, "output_tokens_per_s": 7.21, "failed": 0}
+    simulated = {"ttft_p50_s": 6.26, "ttft_p90_s": 14.9, "output_tokens_per_s": 7.26}
+    result = {"requests": 162, "measured": figures, "simulated": simulated,
+              "simulated_over_measured": {k: simulated[k] / figures[k] for k in simulated},
+              "median_measured_over_simulated_ttft": 1.36}
+    text = format_validation(result)
+    assert "| TTFT p50 (s) | 8.59 | 6.26 | 0.73 |" in text and "| output tokens/s | 7.21 | 7.26 | 1.01 |" in text
+    assert text.endswith("requests: 162, failed (measured): 0, median measured / simulated TTFT per request: 1.36")
+
+
+def test_trace_description_on_a_hand_computed_trace():
+    from swiftkv.fleet.trace import Trace, TraceRequest, describe
+
+    trace = Trace((TraceRequest(0.0, 1000, 10, (1, 2)), TraceRequest(30.0, 1500, 20, (1, 2, 3)),
+                   TraceRequest(90.0, 500, 30, (4,))), block_tokens=512)
+    figures = describe(trace)
+    assert figures["input_median"] == 1000 and figures["input_max"] == 1500 and figures["output_mean"] == 20
+    assert figures["input_token_weighted_mean"] == pytest.approx((1000**2 + 1500**2 + 500**2) / 3000)
+    # the second request repeats blocks 1 and 2 (1,024 tokens) of the first, sent 30 s before
+    assert figures["repeated_prompt_token_share"] == pytest.approx(1024 / 3000)
+    assert figures["reuse_gap_median_s"] == 30.0 and figures["blocks_per_request"] == 2

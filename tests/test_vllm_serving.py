@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from swiftkv.bundled import copy_bundled_tokenizer
-from tests.tiny import tiny_swiftkv_model
+from tests.tiny import tiny_config, tiny_swiftkv_model
 
 L, C = 6, 2  # layers, cutoff: AcrossKV g in {1, 2, 4} divides L - C
 LOGPROB_ATOL = 1e-4
@@ -495,7 +495,6 @@ def test_deepseek_v2_is_not_served_yet():
     model yet (docs/vllm.md): it neither registers the architecture nor builds a layout for it."""
     from swiftkv.vllm.engine_config import ARCHITECTURES
     from swiftkv.vllm.layout import SwiftKVLayout
-    from tests.tiny import tiny_config
 
     assert "DeepseekV2SwiftKVForCausalLM" not in ARCHITECTURES and "Qwen3SwiftKVForCausalLM" in ARCHITECTURES
     with pytest.raises(ValueError, match="'deepseek_v2_swiftkv' is not served by the SwiftKV vLLM plugin"):

@@ -155,6 +155,10 @@ class ReplicaCosts:
         share = (prompt_tokens - lengths[i - 1]) / (lengths[i] - lengths[i - 1])
         return rates[i - 1] + share * (rates[i] - rates[i - 1])
 
+    def idle_ttft_s(self, prompt_tokens: float) -> float:
+        """A prompt's prefill time alone on an idle replica: its best possible TTFT."""
+        return prompt_tokens / self.prefill_rate(prompt_tokens)
+
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         """Seconds of one decode step of ``batch`` sequences holding ``context_tokens`` in all."""
         if batch <= 0:

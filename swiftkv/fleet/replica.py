@@ -46,7 +46,6 @@ class SimRequest:
     first_token_s: float | None = None
     finish_s: float | None = None
     remaining: float = 0.0  # prefill tokens still to compute
-    finish_step: float = 0.0  # the engine step at which its last token is out
 
     @property
     def ttft_s(self) -> float | None:
@@ -65,7 +64,6 @@ class Replica:
         self.block_tokens = block_tokens
         self.capacity_blocks = max(1, figures.kv_cache_tokens // block_tokens)
         self.started_s, self.ready_s = started_s, ready_s
-        self.draining_since: float | None = None
         self.stopped_s: float | None = None
         self.tracker = LoadTracker(capacity)  # the calibrated figure it publishes
         self.waiting: deque[SimRequest] = deque()
@@ -163,9 +161,9 @@ class Replica:
             if request.output_tokens <= 1:
                 finished.append(self._release(request, t))
             else:
-                request.finish_step = self.steps + request.output_tokens - 1
                 self.context_tokens += request.input_tokens + 1
-                heapq.heappush(self.decoding, (request.finish_step, request.index, request))
+                # keyed by the engine step at which its last token is out
+                heapq.heappush(self.decoding, (self.steps + request.output_tokens - 1, request.index, request))
         while self.decoding and self.decoding[0][0] <= self.steps + EPS:
             _, _, request = heapq.heappop(self.decoding)
             self.context_tokens -= request.input_tokens + request.output_tokens

@@ -143,7 +143,7 @@ class Grid:
         target = self.cfg.slo_attainment_target
         slo = self.cfg.fleet.slo_ttft_s
         costs = ReplicaCosts.from_figures(self.profile.figures(variant))
-        feasible = sum(1 for r in self.trace.requests if r.input_tokens / costs.prefill_rate(r.input_tokens) <= slo)
+        feasible = sum(costs.idle_ttft_s(r.input_tokens) <= slo for r in self.trace.requests)
         budget = math.floor((1 - target) * feasible)  # a probe that misses more has failed: stop it there
         probes: dict[int, dict[str, Any]] = {}
         given = self.cfg.static_fleets.get(f"{variant}/{router}")

@@ -64,7 +64,7 @@ class Simulation:
         self.requests = [SimRequest(i, r.arrival_s, r.input_tokens, max(1, r.output_tokens), r.blocks)
                          for i, r in enumerate(trace.requests)]
         self.progress = progress
-        self.idle_ttft = [r.input_tokens / self.costs.prefill_rate(r.input_tokens) for r in self.requests]
+        self.idle_ttft = [self.costs.idle_ttft_s(r.input_tokens) for r in self.requests]
         self.miss_budget = miss_budget
         self.misses = 0
         self.missed: set[int] = set()  # requests counted as misses at their deadline
@@ -120,7 +120,6 @@ class Simulation:
             for number in victims:
                 self.routable.remove(number)
                 self.draining.add(number)
-                self.replicas[number].draining_since = self.now
                 self._retire_if_idle(number)
             self.router.update_replicas([self.handles[n] for n in self.routable])
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -144,3 +145,27 @@ def scale_lengths(trace: Trace, block_tokens: int, max_input_tokens: int, max_ou
         out.append(replace(r, input_tokens=tokens, output_tokens=max(1, min(r.output_tokens, max_output_tokens)),
                            blocks=blocks))
     return Trace(tuple(out), block_tokens)
+
+
+def describe(trace: Trace) -> dict[str, float]:
+    """What a trace holds for a router and a prefix cache: prompt lengths (mean, median, max, and the
+    token-weighted mean a replica's work sees), output mean, blocks per request, the share of prompt
+    tokens that repeat an earlier request's leading blocks, and the median seconds since a reused
+    prefix (more than one block) was last sent."""
+    inputs = [r.input_tokens for r in trace.requests]
+    last_sent: dict[int, float] = {}
+    repeated, gaps = 0, []
+    for r in trace.requests:
+        reused = next((i for i, block in enumerate(r.blocks) if block not in last_sent), len(r.blocks))
+        repeated += min(reused * trace.block_tokens, r.input_tokens)
+        if reused > 1:
+            gaps.append(r.arrival_s - last_sent[r.blocks[reused - 1]])
+        last_sent.update(dict.fromkeys(r.blocks, r.arrival_s))
+    return {
+        "requests": len(inputs), "input_mean": statistics.mean(inputs), "input_median": statistics.median(inputs),
+        "input_max": max(inputs), "input_token_weighted_mean": sum(n * n for n in inputs) / sum(inputs),
+        "output_mean": statistics.mean(r.output_tokens for r in trace.requests),
+        "blocks_per_request": statistics.mean(len(r.blocks) for r in trace.requests),
+        "repeated_prompt_token_share": repeated / sum(inputs),
+        "reuse_gap_median_s": statistics.median(gaps) if gaps else float("nan"),
+    }

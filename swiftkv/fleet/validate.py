@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -150,8 +151,12 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
                    [r.finish_s for r in run.requests if r.finish_s is not None])
     ratios = {k: sim[k] / real[k] for k in ("ttft_p50_s", "ttft_p90_s", "output_tokens_per_s")
               if real[k] and sim[k] is not None}
+    # How much slower the real replicas ran than their profile: a profile measured at another load
+    # (shared cores) shows here first.
+    slowdown = [m["ttft_s"] / r.ttft_s for m, r in zip(measured, run.requests, strict=True) if m["ttft_s"] and r.ttft_s]
     result = {
         "config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
+        "median_measured_over_simulated_ttft": statistics.median(slowdown) if slowdown else None,
         "measured": real, "simulated": sim, "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
         "simulated_over_measured": ratios,
         "within_tolerance": {k: abs(v - 1) <= cfg.tolerance for k, v in ratios.items()},
@@ -170,4 +175,8 @@ def format_validation(result: dict[str, Any]) -> str:
         real, sim = result["measured"][key], result["simulated"][key]
         ratio = result["simulated_over_measured"].get(key)
         rows.append(f"| {label} | {real:.3g} | {sim:.3g} | {ratio:.2f} |" if ratio else f"| {label} | - | - | - |")
-    return "\n".join(rows) + f"\n\nrequests: {result['requests']}, failed (measured): {result['measured']['failed']}"
+    summary = f"requests: {result['requests']}, failed (measured): {result['measured']['failed']}"
+    slowdown = result["median_measured_over_simulated_ttft"]
+    if slowdown is not None:
+        summary += f", median measured / simulated TTFT per request: {slowdown:.2f}"
+    return "\n".join(rows) + "\n\n" + summary

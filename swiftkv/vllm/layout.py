@@ -70,8 +70,6 @@ class SwiftKVLayout:
     """Whether the MLP projections carry biases."""
     qk_norm: bool
     """Whether each query and key head is RMS-normed before rotary (Qwen3)."""
-    rms_norm_eps: float
-    """Epsilon of every RMSNorm, the per-head ones included."""
     max_position: int
     """Largest position the rotary embedding is built for."""
     rope_parameters: dict | None
@@ -103,7 +101,6 @@ class SwiftKVLayout:
             o_proj_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=has_qk_norm(config),
-            rms_norm_eps=config.rms_norm_eps,
             max_position=getattr(config, "max_position_embeddings", 8192),
             rope_parameters=getattr(config, "rope_parameters", None),
         )

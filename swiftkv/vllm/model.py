@@ -93,11 +93,11 @@ class SwiftKVAttention(nn.Module):
         )
         if layout.qk_norm:  # Qwen3: each head RMS-normed before rotary; later layers use their SwiftKV copies
             suffix = "_swiftkv" if self.kv_shared else ""
-            setattr(self, f"q_norm{suffix}", RMSNorm(heads.head_dim, eps=layout.rms_norm_eps))
+            setattr(self, f"q_norm{suffix}", RMSNorm(heads.head_dim, eps=config.rms_norm_eps))
             if not self.kv_shared:
-                self.k_norm = RMSNorm(heads.head_dim, eps=layout.rms_norm_eps)
+                self.k_norm = RMSNorm(heads.head_dim, eps=config.rms_norm_eps)
             elif layer_idx in layout.leaders:  # read by the prefill unit, which writes the group's keys
-                self.k_norm_swiftkv = RMSNorm(heads.head_dim, eps=layout.rms_norm_eps)
+                self.k_norm_swiftkv = RMSNorm(heads.head_dim, eps=config.rms_norm_eps)
         self.head_dim = heads.head_dim
         self.rotary_emb = layout.rotary_emb()
         self.attn = Attention(
