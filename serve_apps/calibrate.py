@@ -28,7 +28,6 @@ from typing import Any
 
 from serve_apps.config import ModelOptions
 
-DEFAULT_DECODE_CONTEXTS = (128, 1024)
 DECODE_BATCH_CONTEXT = 128  # prompt tokens of the decode-by-batch points
 
 
@@ -41,8 +40,7 @@ def _hardware() -> str:
 
 
 def measure_replica(options: ModelOptions, input_lens: list[int], batches: list[int], num_prompts: int,
-                    rounds: int, decode_contexts: list[int] = DEFAULT_DECODE_CONTEXTS,
-                    decode_tokens: int = 32) -> dict[str, Any]:
+                    rounds: int, decode_contexts: list[int], decode_tokens: int = 32) -> dict[str, Any]:
     """Run on the replica's kind of node: start the engine, measure, return the figures."""
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
@@ -123,7 +121,7 @@ def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[in
 
 
 def calibrate(models: list[ModelOptions], input_lens: list[int], batches: list[int], num_prompts: int,
-              rounds: int, decode_contexts: list[int] = DEFAULT_DECODE_CONTEXTS) -> dict[str, Any]:
+              rounds: int, decode_contexts: list[int]) -> dict[str, Any]:
     """Measure every model in a Ray task holding that model's replica resources (in turn, so the
     measurements never share a machine's cores)."""
     import ray

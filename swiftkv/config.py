@@ -122,3 +122,9 @@ def has_qk_norm(config) -> bool:
     """Whether each query and key head goes through an RMSNorm before rotary (Qwen3's ``q_norm``/``k_norm``).
     Shared by the cost model and the vLLM model."""
     return config.model_type.removesuffix("_swiftkv") == "qwen3"
+
+
+def is_latent_attention(config) -> bool:
+    """DeepSeek-V2's multi-head latent attention (the cache holds a latent, not per-head K/V): a
+    config fact beside ``has_qk_norm``, read by the cost model."""
+    return config.model_type.removesuffix("_swiftkv") == "deepseek_v2"

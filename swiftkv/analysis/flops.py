@@ -28,7 +28,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from swiftkv.config import attention_head_dim, check_swiftkv_shape, has_qk_norm, layer_types, qkv_has_bias
+from swiftkv.config import (
+    attention_head_dim,
+    check_swiftkv_shape,
+    has_qk_norm,
+    is_latent_attention,
+    layer_types,
+    qkv_has_bias,
+)
 
 # Bytes per stored K or V element for --kv-cache-dtype.
 KV_CACHE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -124,10 +131,6 @@ class ModelShape:
             attention_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types(config)),
         )
 
-
-def is_latent_attention(config) -> bool:
-    """DeepSeek-V2's multi-head latent attention (the cache holds a latent, not per-head K/V)."""
-    return config.model_type.removesuffix("_swiftkv") == "deepseek_v2"
 
 
 def _dense_attention(config) -> dict:

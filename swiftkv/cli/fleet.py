@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         from swiftkv.fleet.validate import ValidateConfig, format_validation, run_validate
 
         cfg = load_config(ValidateConfig, args.config, args.set, what="fleet validate config")
-        load_profile(cfg.profile)  # a bad profile fails before the endpoint starts
-        print(format_validation(run_validate(cfg)))
+        profile = load_profile(cfg.profile)  # a bad profile fails before the endpoint starts
+        print(format_validation(run_validate(cfg, profile)))
         print(f"wrote {cfg.out}/validation.json")
     return 0

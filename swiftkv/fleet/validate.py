@@ -22,7 +22,7 @@ from pydantic import Field
 
 from serve_apps.load import percentile
 from swiftkv.fleet.config import FleetConfig, FleetSettings, TrafficConfig
-from swiftkv.fleet.profile import load_profile
+from swiftkv.fleet.profile import Profile
 from swiftkv.fleet.replay import replay
 from swiftkv.fleet.results import summarize
 from swiftkv.fleet.simulator import simulate
@@ -130,9 +130,8 @@ def _figures(ttfts: list[float | None], outputs: list[int], ends: list[float]) -
             "output_tokens_per_s": sum(outputs) / span, "requests_per_s": len(ok) / span}
 
 
-def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
+def run_validate(cfg: ValidateConfig, profile: Profile) -> dict[str, Any]:
     trace = cfg.traffic.build()
-    profile = load_profile(cfg.profile)
     figures = profile.figures(cfg.model)
     tokenizer_vocab = 32000
     with serving(cfg, figures.prefill_tokens_per_s) as url:
