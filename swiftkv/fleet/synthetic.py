@@ -81,9 +81,7 @@ def _rate_at(cfg: SyntheticConfig, t: float) -> float:
 def _arrivals(cfg: SyntheticConfig, rng: random.Random) -> list[float]:
     """A Poisson process whose rate follows the schedule (thinning of the highest rate)."""
     peak = max([cfg.rate, *(r for _, r in cfg.rate_schedule)])
-    times, t = [], 0.0
-    if peak <= 0:
-        return times
+    times, t = [], 0.0  # peak >= rate > 0 (validated)
     while True:
         t += rng.expovariate(peak)
         if t >= cfg.duration_s:
