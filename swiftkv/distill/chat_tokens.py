@@ -27,11 +27,14 @@ from __future__ import annotations
 import bisect
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError, TemplateSyntaxError
-from transformers import PreTrainedTokenizerBase
 
 from swiftkv.distill.schemas import MalformedRow, Message
+
+if TYPE_CHECKING:  # transformers costs seconds to import: Ray Data's read tasks never need it
+    from transformers import PreTrainedTokenizerBase
 
 # Stands in for a reply: private-use characters no conversation carries and no template trims.
 _MARKER = "\ue000swiftkv-reply\ue001"
