@@ -33,6 +33,11 @@ from swiftkv.yaml_config import job_main
 logger = logging.getLogger("ray_jobs.distill")
 
 
+def rows_per_step(cfg: DistillConfig) -> int:
+    """Packed rows one optimizer step trains on, every worker's."""
+    return cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.scaling.num_workers
+
+
 def total_steps(cfg: DistillConfig, train_ds: ray.data.Dataset) -> int:
     """``max_steps``, or the optimizer steps in ``epochs`` passes (this counts the packed rows,
     which runs the pipeline once)."""
@@ -41,7 +46,7 @@ def total_steps(cfg: DistillConfig, train_ds: ray.data.Dataset) -> int:
     logger.info("counting the packed training rows to size the learning-rate schedule: one pass over the data "
                 "(read, template, pack; Ray Data's progress bars follow it); set train.max_steps to skip it")
     rows = train_ds.count()
-    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.scaling.num_workers
+    per_step = rows_per_step(cfg)
     steps = cfg.train.epochs * (rows // per_step)
     if steps == 0:
         raise ValueError(f"{rows} packed rows make no optimizer step of {per_step} rows: add data or set max_steps")
@@ -84,9 +89,16 @@ def build_trainer(cfg: DistillConfig, tokenizer_path: str) -> TorchTrainer:
     ingest.preserve_order = True
     datasets = {"train": train_ds} if heldout_ds is None else {"train": train_ds, "heldout": heldout_ds}
     storage_path, storage_fs = _storage(cfg.output.storage_path)
+    steps = total_steps(cfg, train_ds)
+    if cfg.train.max_steps is not None:
+        # Only the rows max_steps trains on: the pipeline stops reading and templating there rather than
+        # running on through data no step will see (Ray Data runs ahead of training until backpressured).
+        # The prefix is the same in every run, so exact resume is unaffected; data shorter than this
+        # still takes several epochs.
+        datasets["train"] = train_ds.limit(steps * rows_per_step(cfg))
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": cfg.model_dump(), "total_steps": total_steps(cfg, train_ds)},
+        train_loop_config={"config": cfg.model_dump(), "total_steps": steps},
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
         dataset_config=ray.train.DataConfig(execution_options=ingest),
         scaling_config=ray.train.ScalingConfig(

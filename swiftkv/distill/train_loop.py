@@ -245,7 +245,7 @@ class Worker:
             parts = self.engine(**{k: v.to(self.device) for k, v in batch.items()}, token_scale=token_scale)
             self.engine.backward(parts.loss)
             self.engine.step()
-            sums += torch.tensor([float(parts.loss), float(parts.kl_sum)], dtype=torch.float64)
+            sums += torch.tensor([float(parts.loss.detach()), float(parts.kl_sum)], dtype=torch.float64)
         dist.all_reduce(sums)
         tokens = int(totals[0])
         return float(sums[0]) / (world * len(micro_batches)), float(sums[1]) / max(tokens, 1), tokens
