@@ -254,6 +254,22 @@ def test_one_big_file_streams_in_windows_of_small_integer_rows(ray_cluster, caps
     assert all((a["input_ids"] == b["input_ids"]).all() for a, b in zip(rows.take(5), again, strict=True))
 
 
+def test_max_steps_reads_only_the_rows_its_steps_train_on(ray_cluster, tmp_path):
+    """With max_steps the trainer's train dataset stops at steps x micro-batch x grad_accum x workers
+    packed rows (the pipeline stops templating there); without it every row is read."""
+    from ray_jobs.distill import build_trainer
+
+    tokenizer = str(ensure_bundled_model())
+    path = write_jsonl(ultrachat_rows(60, 11), tmp_path / "chat.jsonl")
+    tree = {"model": tokenizer, "data": {"sources": [{"uri": str(path), "format": "ultrachat"}],
+                                         "max_seq_len": 128, "pack": False, "heldout_fraction": 0},
+            "train": {"max_steps": 3, "micro_batch_size": 2, "grad_accum": 2},
+            "scaling": {"num_workers": 2}, "output": {"storage_path": str(tmp_path / "runs")}}
+    assert build_trainer(parse_config(tree), tokenizer).datasets["train"].count() == 3 * 2 * 2 * 2
+    tree["train"] = {"max_steps": None, "epochs": 1, "micro_batch_size": 2}
+    assert build_trainer(parse_config(tree), tokenizer).datasets["train"].count() == 60  # unpacked: a row each
+
+
 def test_the_conversion_task_asks_for_the_memory_it_takes(tmp_path):
     """Llama-3.1-70B at c = 40: the SwiftKV tensors twice in float32 plus 2 GiB, far below the 140 GB a
     whole bf16 base would take (a base in a format other than safetensors is loaded whole: twice its size)."""

@@ -4,6 +4,7 @@ Ray and leaves no process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import psutil
 import pytest
 
 from swiftkv.bundled import copy_bundled_tokenizer
-from tests.serve_cluster import CACHE, engine_processes, free_port
+from tests.serve_cluster import CACHE, CPU_ENV, engine_processes, free_port
 from tests.tiny import tiny_swiftkv_model
 
 SWIFTKV = str(Path(sys.executable).parent / "swiftkv")
@@ -36,7 +37,7 @@ def test_serve_prints_its_url_drains_on_sigterm_and_leaves_nothing(tmp_path):
             [SWIFTKV, "serve", "--model", f"tiny={tmp_path / 'model'}", "--port", str(port),
              "--metrics-port", str(metrics_port), "--num-cpus", "4",
              "--set", "models.0.engine_kwargs={dtype: float32, enforce_eager: true, max_model_len: 512}",
-             "--set", "models.0.env={VLLM_CPU_KVCACHE_SPACE: '1', VLLM_CPU_NUM_OF_RESERVED_CPU: '0'}"],
+             "--set", f"models.0.env={json.dumps(CPU_ENV)}"],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     descendants: set[int] = set()
@@ -114,7 +115,7 @@ def test_a_deployment_that_cannot_start_is_an_error_naming_it(tmp_path):
         [SWIFTKV, "serve", "--model", f"tiny={tmp_path / 'model'}", "--port", str(free_port()),
          "--metrics-port", str(free_port()), "--num-cpus", "4",
          "--set", "models.0.engine_kwargs={dtype: float32, enforce_eager: true, max_model_len: 100000}",
-         "--set", "models.0.env={VLLM_CPU_KVCACHE_SPACE: '1', VLLM_CPU_NUM_OF_RESERVED_CPU: '0'}"],
+         "--set", f"models.0.env={json.dumps(CPU_ENV)}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     try:

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from swiftkv.bundled import copy_bundled_tokenizer
-from tests.serve_cluster import CACHE, engine_processes
+from tests.serve_cluster import CACHE, CPU_ENV, engine_processes
 from tests.tiny import tiny_swiftkv_model
 
 SWIFTKV = str(Path(sys.executable).parent / "swiftkv")
 ENGINE = "{dtype: float32, enforce_eager: true, max_model_len: 512}"
-ENV = "{VLLM_CPU_KVCACHE_SPACE: '1', VLLM_CPU_NUM_OF_RESERVED_CPU: '0'}"
+ENV = json.dumps(CPU_ENV)  # JSON is YAML: one --set value
 
 
 @pytest.fixture(scope="module")

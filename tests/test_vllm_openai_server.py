@@ -7,30 +7,22 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
 
 from swiftkv.bundled import copy_bundled_tokenizer
+from tests.serve_cluster import CPU_ENV, free_port
 from tests.test_vllm_serving import LOGPROB_ATOL, hf_greedy, prompt, token_logprobs
 from tests.tiny import tiny_swiftkv_model
 
 NAME = "tiny-swiftkv"
 STARTUP_S = 300
-CACHE = Path(__file__).resolve().parents[1] / ".cache"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +34,8 @@ def server(tmp_path_factory):
                                hidden_size=128)
     model.save_pretrained(root / "model")
     copy_bundled_tokenizer(root / "model")
-    port = _free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
+    port = free_port()
+    env = {**os.environ, **CPU_ENV}
     log = open(root / "server.log", "w")  # noqa: SIM115 (closed after the server stops)
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "model"),
