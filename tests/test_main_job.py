@@ -19,7 +19,7 @@ from tests.serve_cluster import CACHE, engine_processes
 MODELS = ("base", "rewired", "distilled")
 
 
-@pytest.mark.timeout(1800)  # about 9 minutes on two quiet cores; the suite's default is 900 s
+@pytest.mark.timeout(1800)  # 7-12 minutes on two cores; the suite's default is 900 s
 def test_quick_main_job_runs_every_step_and_reports_sane_figures(tmp_path):
     out = tmp_path / "main"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
