@@ -86,7 +86,8 @@ class TrainConfig(StrictConfig):
     """Passes over the data (the paper: 2). Ignored when ``max_steps`` is set."""
 
     max_steps: int | None = Field(default=None, gt=0)
-    """Stop after this many optimizer steps (the data is re-read as often as needed)."""
+    """Stop after this many optimizer steps. The pipeline then reads only the rows these steps train
+    on (the data is re-read as often as needed when it is shorter)."""
 
     lr: float = Field(default=3e-4, gt=0)
     """AdamW peak learning rate."""
