@@ -83,19 +83,19 @@ def zero3_starting_point(cfg: DistillConfig, model_path: str) -> DistillConfig:
 
 def build_trainer(cfg: DistillConfig, tokenizer_path: str) -> TorchTrainer:
     train_ds, heldout_ds = build_datasets(cfg.data, tokenizer_path=tokenizer_path)
-    # Preserving the pipeline's order makes each worker's rows and their order the same in every run
-    # (streaming_split then assigns blocks deterministically): what exact resume needs.
-    ingest = ray.train.DataConfig.default_ingest_options()
-    ingest.preserve_order = True
-    datasets = {"train": train_ds} if heldout_ds is None else {"train": train_ds, "heldout": heldout_ds}
-    storage_path, storage_fs = _storage(cfg.output.storage_path)
     steps = total_steps(cfg, train_ds)
     if cfg.train.max_steps is not None:
         # Only the rows max_steps trains on: the pipeline stops reading and templating there rather than
         # running on through data no step will see (Ray Data runs ahead of training until backpressured).
         # The prefix is the same in every run, so exact resume is unaffected; data shorter than this
         # still takes several epochs.
-        datasets["train"] = train_ds.limit(steps * rows_per_step(cfg))
+        train_ds = train_ds.limit(steps * rows_per_step(cfg))
+    # Preserving the pipeline's order makes each worker's rows and their order the same in every run
+    # (streaming_split then assigns blocks deterministically): what exact resume needs.
+    ingest = ray.train.DataConfig.default_ingest_options()
+    ingest.preserve_order = True
+    datasets = {"train": train_ds} if heldout_ds is None else {"train": train_ds, "heldout": heldout_ds}
+    storage_path, storage_fs = _storage(cfg.output.storage_path)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.model_dump(), "total_steps": steps},

@@ -254,6 +254,19 @@ def test_one_big_file_streams_in_windows_of_small_integer_rows(ray_cluster, caps
     assert all((a["input_ids"] == b["input_ids"]).all() for a, b in zip(rows.take(5), again, strict=True))
 
 
+def test_parquet_is_read_without_a_listing_stage(ray_cluster, tmp_path, capsys):
+    """Parquet goes through Ray Data's V1 reader: 2.60's default plan starts with a ``ListFiles`` stage
+    that starts 32 footer-reading actors at every execution (the held-out set, each epoch)."""
+    path = write_parquet(ultrachat_rows(20, 12), tmp_path / "chat.parquet")
+    cfg = DataConfig(sources=[{"uri": str(path), "format": "ultrachat"}], max_seq_len=128, heldout_fraction=0)
+    train, _ = build_datasets(cfg, str(ensure_bundled_model()))
+    capsys.readouterr()
+    train.explain()
+    plan = capsys.readouterr().out
+    assert "ReadParquet" in plan and "ListFiles" not in plan
+    assert ray.data.DataContext.get_current().use_datasource_v2  # the user's setting is left as it was
+
+
 def test_max_steps_reads_only_the_rows_its_steps_train_on(ray_cluster, tmp_path):
     """With max_steps the trainer's train dataset stops at steps x micro-batch x grad_accum x workers
     packed rows (the pipeline stops templating there); without it every row is read."""
