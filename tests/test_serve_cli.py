@@ -52,13 +52,14 @@ def test_serve_prints_its_url_drains_on_sigterm_and_leaves_nothing(tmp_path):
         assert any("VLLM::EngineCore" in p.name() for p in map(psutil.Process, descendants) if p.is_running())
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-        first_chunk, pieces, errors = threading.Event(), [], []
+        first_chunk, chunks, errors = threading.Event(), [], []
 
         def stream():
             try:
                 for chunk in client.completions.create(model="tiny", prompt="hello", max_tokens=300, stream=True,
-                                                       temperature=0.0, extra_body={"ignore_eos": True}):
-                    pieces.append(chunk.choices[0].text)
+                                                       temperature=0.0, extra_body={"ignore_eos": True},
+                                                       stream_options={"include_usage": True}):
+                    chunks.append(chunk)
                     first_chunk.set()
             except Exception as err:  # recorded: the drain must not cut the stream
                 errors.append(err)
@@ -69,7 +70,11 @@ def test_serve_prints_its_url_drains_on_sigterm_and_leaves_nothing(tmp_path):
         assert first_chunk.wait(60)
         proc.send_signal(signal.SIGTERM)
         reader.join(120)
-        assert not errors and len(pieces) == 300, (errors, len(pieces))  # the request in flight finished
+        # The request in flight finished: all 300 tokens (vLLM may merge a slow reader's deltas into one
+        # chunk, so tokens are counted from the usage chunk, not chunks) and a "length" finish.
+        assert not errors, errors
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 300, chunks[-1]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert proc.wait(120) == 0
         out = log_path.read_text()
         assert "SIGTERM: draining in-flight requests" in out and "swiftkv serve: stopped" in out
