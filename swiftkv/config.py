@@ -27,6 +27,11 @@ class SwiftKVFields:
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)
+        # transformers reads the saved 4.x ``rope_scaling`` (see with_legacy_rope_fields) back into
+        # ``rope_parameters``, older ``type`` key included: drop that duplicate of ``rope_type``.
+        params = getattr(self, "rope_parameters", None)
+        if isinstance(params, dict) and params.get("type") == params.get("rope_type"):
+            params.pop("type", None)
         self.validate_swiftkv()
 
     def to_dict(self) -> dict:
@@ -58,7 +63,8 @@ def layer_types(config) -> list[str]:
 
 def with_legacy_rope_fields(fields: dict) -> dict:
     """``fields`` (a config dict) plus RoPE as transformers 4.x reads it: top-level ``rope_theta`` and
-    ``rope_scaling`` (``None`` for plain RoPE).
+    ``rope_scaling`` (``None`` for plain RoPE), whose kind is also under the older key ``type``:
+    DeepSeek-V2's remote code (and the reference SwiftKV classes built on it) reads only that one.
 
     transformers 5 keeps RoPE in ``rope_parameters`` (theta included) and reads either form; 4.x
     reads only the top-level keys and, without them, silently uses theta 10000 with no scaling (a
@@ -69,6 +75,8 @@ def with_legacy_rope_fields(fields: dict) -> dict:
         return fields
     scaling = {key: value for key, value in params.items() if key != "rope_theta"}
     plain = scaling.get("rope_type", "default") == "default"
+    if not plain:
+        scaling["type"] = scaling["rope_type"]
     return {**fields, "rope_theta": params["rope_theta"], "rope_scaling": None if plain else scaling}
 
 

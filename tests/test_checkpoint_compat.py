@@ -47,8 +47,9 @@ def read_in_transformers4(*folders: Path) -> dict[str, dict]:
 def as_4x(rope_parameters: dict) -> dict:
     """What transformers 4.x must see for ``rope_parameters``."""
     scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    plain = scaling.get("rope_type") == "default"
     return {"rope_theta": rope_parameters["rope_theta"],
-            "rope_scaling": None if scaling.get("rope_type") == "default" else scaling}
+            "rope_scaling": None if plain else {**scaling, "type": scaling["rope_type"]}}
 
 
 def test_checkpoints_we_write_read_the_same_in_transformers_4(tmp_path):
