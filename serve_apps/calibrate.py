@@ -13,6 +13,12 @@ and workers in their own processes, as in a replica) and measures:
 - the engine's own limits: KV-cache capacity in tokens, token budget per step, sequence cap, and
   how long the engine took to start.
 
+With ``side_by_side`` N, N copies of each replica are placed on one node together (a Ray placement
+group), start their engines, wait for each other and measure at the same time; each figure is their
+median. That is the figure for N replicas sharing one host's CPUs or memory bandwidth, which run
+slower together than one alone (on this 2-core machine two SmolLM2 replicas side by side decode 1.5
+times slower and prefill 1.2-1.3 times slower than one).
+
 The result is written as JSON, a profile the fleet simulator reads (``swiftkv/fleet/profile.py``),
 and printed as the YAML lines to paste into the config.
 """
@@ -39,9 +45,36 @@ def _hardware() -> str:
     return f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})"
 
 
+class StartLine:
+    """A Ray actor the side-by-side copies report to once their engines are up, so that they
+    measure together, not while another is still starting."""
+
+    def __init__(self, copies: int) -> None:
+        self.copies, self.arrived = copies, 0
+
+    def arrive(self) -> None:
+        self.arrived += 1
+
+    def all_arrived(self) -> bool:
+        return self.arrived >= self.copies
+
+
+def _wait_for_the_others(start_line, timeout_s: float = 900.0) -> None:
+    import ray
+
+    ray.get(start_line.arrive.remote())
+    deadline = time.monotonic() + timeout_s
+    while not ray.get(start_line.all_arrived.remote()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the side-by-side copies did not all start their engines within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
 def measure_replica(options: ModelOptions, input_lens: list[int], batches: list[int], num_prompts: int,
-                    rounds: int, decode_contexts: list[int], decode_tokens: int = 32) -> dict[str, Any]:
-    """Run on the replica's kind of node: start the engine, measure, return the figures."""
+                    rounds: int, decode_contexts: list[int], decode_tokens: int = 32,
+                    start_line=None) -> dict[str, Any]:
+    """Run on the replica's kind of node: start the engine, (side by side: wait for the other
+    copies' engines), measure, return the figures."""
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
@@ -57,6 +90,8 @@ def measure_replica(options: ModelOptions, input_lens: list[int], batches: list[
     llm = LLM(model=path, **kwargs)
     startup_s = time.perf_counter() - start
     try:
+        if start_line is not None:
+            _wait_for_the_others(start_line)
         figures = _measure(llm, options, input_lens, batches, num_prompts, rounds, decode_contexts, decode_tokens)
         return {**figures, "startup_s": startup_s}
     finally:  # stop the engine-core process now: the Ray worker that ran this task may live on
@@ -120,22 +155,69 @@ def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[in
     }
 
 
-def calibrate(models: list[ModelOptions], input_lens: list[int], batches: list[int], num_prompts: int,
-              rounds: int, decode_contexts: list[int]) -> dict[str, Any]:
-    """Measure every model in a Ray task holding that model's replica resources (in turn, so the
-    measurements never share a machine's cores)."""
+def median_of_copies(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One replica's figures from its side-by-side copies: the median of every number that differs
+    between them (per key in the by-length/by-batch tables); everything else as the first copy has it."""
+    first = runs[0]
+    merged: dict[str, Any] = {}
+    for key, value in first.items():
+        if isinstance(value, dict):
+            merged[key] = {k: statistics.median(run[key][k] for run in runs) for k in value}
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and any(r[key] != value for r in runs):
+            merged[key] = statistics.median(run[key] for run in runs)
+        else:
+            merged[key] = value
+    return {**merged, "side_by_side": len(runs)}
+
+
+def _pack_on_one_node(options: ModelOptions, copies: int, timeout_s: float):
+    """A placement group of ``copies`` bundles of the replica's resources, all on one node."""
     import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = {"CPU": options.num_cpus, "GPU": options.num_gpus}
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    if not bundle:
+        raise ValueError(f"side by side, the replicas of {options.name!r} need num_cpus or num_gpus > 0 to be "
+                         "placed together")
+    group = placement_group([bundle] * copies, strategy="STRICT_PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(f"cannot place {copies} replicas of {options.name!r} ({bundle} each) on one node within "
+                           f"{timeout_s:.0f} s; the cluster has {ray.cluster_resources()}")
+    return group
+
+
+def calibrate(models: list[ModelOptions], input_lens: list[int], batches: list[int], num_prompts: int,
+              rounds: int, decode_contexts: list[int], side_by_side: int = 1,
+              placement_timeout_s: float = 120.0) -> dict[str, Any]:
+    """Measure every model in turn (different models never share a machine's cores), in Ray tasks
+    holding that model's replica resources: one, or ``side_by_side`` at once packed on one node."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if not ray.is_initialized():
         ray.init()
     results = {}
     for options in models:
-        task = ray.remote(measure_replica).options(
-            num_cpus=options.num_cpus, num_gpus=options.num_gpus, max_retries=0,
-            runtime_env={"env_vars": dict(options.env)} if options.env else None,
-        )
-        results[options.name] = ray.get(task.remote(options, input_lens, batches, num_prompts, rounds,
-                                                    decode_contexts))
+        group = _pack_on_one_node(options, side_by_side, placement_timeout_s) if side_by_side > 1 else None
+        try:
+            start_line = ray.remote(num_cpus=0)(StartLine).remote(side_by_side) if group else None
+            refs = [
+                ray.remote(measure_replica).options(
+                    num_cpus=options.num_cpus, num_gpus=options.num_gpus, max_retries=0,
+                    runtime_env={"env_vars": dict(options.env)} if options.env else None,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, i) if group else None,
+                ).remote(options, input_lens, batches, num_prompts, rounds, decode_contexts, start_line=start_line)
+                for i in range(side_by_side)
+            ]
+            runs = ray.get(refs)
+        finally:
+            if group:
+                remove_placement_group(group)
+        results[options.name] = median_of_copies(runs) if group else runs[0]
     return {"models": results}
 
 
@@ -146,7 +228,9 @@ def format_profile(profile: dict[str, Any]) -> str:
                            for n, v in figures["prefill_tokens_per_s_by_input_len"].items())
         by_batch = ", ".join(f"batch {b}: {v * 1e3:.1f} ms" for b, v in figures["decode_step_s_by_batch"].items())
         by_context = ", ".join(f"{n} tokens: {v * 1e3:.1f} ms" for n, v in figures["decode_step_s_by_context"].items())
-        lines += [f"{name} on {figures['hardware']}:", f"  prefill (uncached) {by_len}",
+        copies = figures.get("side_by_side", 1)
+        where = f" ({copies} side by side, medians)" if copies > 1 else ""
+        lines += [f"{name} on {figures['hardware']}{where}:", f"  prefill (uncached) {by_len}",
                   f"  decode step {by_batch}; at batch {figures['decode_context_batch']} with contexts of "
                   f"{by_context}",
                   f"  engine: {figures['kv_cache_tokens']:,} KV tokens, {figures['max_num_batched_tokens']} tokens "

@@ -35,19 +35,32 @@ def _env() -> dict[str, str]:
 
 
 def test_calibrate_measures_and_writes_a_profile(models, tmp_path):
+    """Two copies side by side (a placement group on the one local node, two engines measuring at once)."""
     out = tmp_path / "profile.json"
     run = subprocess.run(
         [SWIFTKV, "calibrate", "--model", f"tiny={models / 'swiftkv'}", "--set", f"models.0.engine_kwargs={ENGINE}",
          "--set", f"models.0.env={ENV}", "--input-lens", "64", "256", "--batches", "1", "2", "--num-prompts", "2",
-         "--rounds", "1", "--out", str(out)],
+         "--rounds", "1", "--side-by-side", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=_env(),
     )
     assert run.returncode == 0, run.stderr[-3000:]
     figures = json.loads(out.read_text())["models"]["tiny"]
     assert figures["prefill_tokens_per_s"] == figures["prefill_tokens_per_s_by_input_len"]["256"] > 0
     assert set(figures["decode_step_s_by_batch"]) == {"1", "2"} and figures["prefill_skipping"] is True
+    assert figures["side_by_side"] == 2 and "(2 side by side, medians)" in run.stdout
     assert "prefill_tokens_per_s: " in run.stdout and "CPU cores" in figures["hardware"]
     assert not engine_processes()
+
+
+def test_side_by_side_figures_are_the_median_of_the_copies():
+    from serve_apps.calibrate import median_of_copies
+
+    runs = [{"model": "m", "prefill_skipping": True, "prefill_tokens_per_s": rate, "kv_cache_tokens": 4096,
+             "decode_step_s_by_batch": {"1": step, "4": 2 * step}} for rate, step in [(100.0, 0.1), (80.0, 0.3),
+                                                                                     (90.0, 0.2)]]
+    assert median_of_copies(runs) == {"model": "m", "prefill_skipping": True, "prefill_tokens_per_s": 90.0,
+                                      "kv_cache_tokens": 4096, "decode_step_s_by_batch": {"1": 0.2, "4": 0.4},
+                                      "side_by_side": 3}
 
 
 def test_load_test_job_compares_serve_with_vllm_alone_and_writes_its_figures(models, tmp_path):

@@ -30,6 +30,9 @@ def add_parser(subparsers) -> None:
                    help="context lengths at which decode steps of the largest batch are measured")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per prefill measurement")
     p.add_argument("--rounds", type=int, default=3, help="repetitions (medians reported)")
+    p.add_argument("--side-by-side", type=int, default=1, metavar="N",
+                   help="measure N copies of each replica at once on one node (the median of each figure): the "
+                   "figures of N replicas sharing one host, which run slower together than one alone")
     p.add_argument("--out", default="artifacts/calibration.json", help="JSON profile to write")
     p.set_defaults(func=run)
 
@@ -38,11 +41,13 @@ def run(args: argparse.Namespace) -> int:
     from serve_apps.calibrate import calibrate, format_profile
     from serve_apps.local import read_app_config
 
-    if min(args.input_lens + args.batches + args.decode_contexts + [args.num_prompts, args.rounds]) < 1:
-        raise ValueError("--input-lens, --batches, --decode-contexts, --num-prompts and --rounds must be positive")
+    if min(args.input_lens + args.batches + args.decode_contexts + [args.num_prompts, args.rounds,
+                                                                     args.side_by_side]) < 1:
+        raise ValueError("--input-lens, --batches, --decode-contexts, --num-prompts, --rounds and --side-by-side "
+                         "must be positive")
     config = read_app_config(args.config, args.model, args.set)
     profile = calibrate(config.models, args.input_lens, args.batches, args.num_prompts, args.rounds,
-                        args.decode_contexts)
+                        args.decode_contexts, args.side_by_side)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=2) + "\n")

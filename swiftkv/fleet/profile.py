@@ -75,6 +75,10 @@ class ModelFigures(StrictConfig):
     measured_at: str | None = None
     """When (measured profiles)."""
 
+    side_by_side: int = Field(default=1, gt=0)
+    """Copies of the replica measured at once on one host (``swiftkv calibrate --side-by-side``;
+    the medians): the figures of one replica among that many sharing the host."""
+
     notes: str = ""
     """How the figures were obtained, when not by ``swiftkv calibrate``."""
 
