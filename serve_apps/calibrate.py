@@ -170,6 +170,19 @@ def median_of_copies(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**merged, "side_by_side": len(runs)}
 
 
+def _all_or_first_error(refs: list) -> list:
+    """The tasks' results. ``ray.get`` raises at the first failure; the other copies are then
+    cancelled, not left waiting at the start line for a copy that never comes."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except Exception:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        raise
+
+
 def _pack_on_one_node(options: ModelOptions, copies: int, timeout_s: float):
     """A placement group of ``copies`` bundles of the replica's resources, all on one node."""
     import ray
@@ -213,7 +226,7 @@ def calibrate(models: list[ModelOptions], input_lens: list[int], batches: list[i
                 ).remote(options, input_lens, batches, num_prompts, rounds, decode_contexts, start_line=start_line)
                 for i in range(side_by_side)
             ]
-            runs = ray.get(refs)
+            runs = _all_or_first_error(refs)
         finally:
             if group:
                 remove_placement_group(group)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,33 @@ def test_calibrate_measures_and_writes_a_profile(models, tmp_path):
     assert figures["side_by_side"] == 2 and "(2 side by side, medians)" in run.stdout
     assert "prefill_tokens_per_s: " in run.stdout and "CPU cores" in figures["hardware"]
     assert not engine_processes()
+
+
+def test_a_copy_that_fails_stops_the_others_at_once():
+    """Side by side, a copy whose engine fails is the error at once; the copies waiting at the start
+    line for it are cancelled, not left to time out."""
+    import ray
+
+    from serve_apps.calibrate import _all_or_first_error
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        def wait_at_the_start_line() -> None:
+            time.sleep(300)
+
+        def fail_to_start() -> None:
+            raise RuntimeError("engine did not start")
+
+        waits = ray.remote(wait_at_the_start_line).remote()
+        fails = ray.remote(fail_to_start).remote()
+        start = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError, match="engine did not start"):
+            _all_or_first_error([waits, fails])
+        assert time.monotonic() - start < 60
+        with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError)):
+            ray.get(waits, timeout=60)
+    finally:
+        ray.shutdown()
 
 
 def test_side_by_side_figures_are_the_median_of_the_copies():
