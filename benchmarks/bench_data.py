@@ -9,7 +9,9 @@ the bundled tokenizer, and consumes it as two training workers do (``streaming_s
 with the order preserved, each worker reading micro-batches through its shuffle buffer) until each
 worker has ``--batches`` micro-batches, then stops; twice per scale on a fresh local Ray: cold (the
 first pass starts Ray Data's worker processes, as a job's first epoch does) and warm (as a later
-epoch). A thread polls the object store meanwhile.
+epoch), each pass followed by a wait until the stopped pass's read-ahead has wound down (otherwise
+the warm pass shares the CPUs with the cold one's leftover tasks). A thread polls the object store
+meanwhile.
 A pipeline that streams reaches its first batch in about the same time and holds about the same
 object-store bytes at every scale; one that materialises the data (an all-to-all shuffle, a full
 count) grows with it. Writes the figures as JSON.
@@ -18,6 +20,7 @@ count) grows with it. Writes the figures as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -79,13 +82,17 @@ def consume(train, batches: int, micro_batch: int, buffer: int) -> tuple[float, 
     done: list[float] = []
 
     def worker(split) -> None:
-        for i, _ in enumerate(split.iter_torch_batches(batch_size=micro_batch, drop_last=True,
-                                                       local_shuffle_buffer_size=buffer or None,
-                                                       local_shuffle_seed=0 if buffer else None)):
-            if i == 0:
-                first.append(time.perf_counter() - started)
-            if i + 1 == batches:
-                break
+        # Closed on leaving (not left to garbage collection): its prefetch thread stops and the split
+        # coordinator is told, before the caller shuts Ray down (a thread still reading then makes
+        # Ray's core worker end the process).
+        with contextlib.closing(iter(split.iter_torch_batches(
+                batch_size=micro_batch, drop_last=True, local_shuffle_buffer_size=buffer or None,
+                local_shuffle_seed=0 if buffer else None))) as batches_iter:
+            for i, _ in enumerate(batches_iter):
+                if i == 0:
+                    first.append(time.perf_counter() - started)
+                if i + 1 == batches:
+                    break
         done.append(time.perf_counter() - started)
 
     threads = [threading.Thread(target=worker, args=(split,)) for split in splits]
@@ -94,6 +101,19 @@ def consume(train, batches: int, micro_batch: int, buffer: int) -> tuple[float, 
     for t in threads:
         t.join()
     return max(first), max(done)
+
+
+def wait_until_idle(timeout_s: float = 300.0) -> float:
+    """Wait until no task holds a CPU (a stopped pass's read-ahead winds down, as the end of an
+    epoch that consumed everything would have it); return the seconds waited."""
+    import ray
+
+    started = time.perf_counter()
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        if time.perf_counter() - started > timeout_s:
+            raise TimeoutError(f"Ray tasks still hold CPUs {timeout_s:.0f} s after the pass stopped")
+        time.sleep(0.5)
+    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -135,6 +155,8 @@ def main() -> None:
                     row[f"{label}_first_batch_s"] = round(first + build_s, 2)
                     row[f"{label}_batches_read_s"] = round(done + build_s, 2)
                     row[f"{label}_peak_object_store_mb"] = round(store.peak / 2**20, 1)
+                    # Only --batches were read: the rest of the pass's read-ahead is still running.
+                    row[f"{label}_wind_down_s"] = round(wait_until_idle(), 2)
             finally:
                 ray.shutdown()
             results["scales"][f"{scale}x"] = row
