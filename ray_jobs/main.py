@@ -42,8 +42,10 @@ QUICK = {
     "evaluate": ["limit=8", "tasks=[{name: ARC-Easy, task: arc_easy, metric: acc_norm}, "
                  "{name: PIQA, task: piqa, metric: acc_norm}]",
                  "needle={lengths: [512, 2048], depths: [0.5], samples: 1}",
-                 "multiturn={chitchat_conversations: 2, max_turns: 2, mtbench_questions: 2, history_tokens: 16, "
-                 "greedy_tokens: 8, recall_gaps: [0, 2], recall_samples: 2}"],
+                 # One conversation of each kind: the SwiftKV models' probes (teacher and student, HF on
+                 # one core each) are the longest part of a quick evaluation.
+                 "multiturn={chitchat_conversations: 1, max_turns: 2, mtbench_questions: 1, history_tokens: 16, "
+                 "greedy_tokens: 4, recall_gaps: [0, 2], recall_samples: 1}"],
     "benchmark": ["input_lens=[512]", "num_prompts=2", "rounds=1", "latency_requests=2", "latency_input_len=256",
                   "latency_output_len=8"],
 }
