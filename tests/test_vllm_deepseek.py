@@ -18,7 +18,13 @@ import pytest
 import torch
 
 from swiftkv.bundled import copy_bundled_tokenizer
-from tests.test_vllm_serving import assert_matches_hf, prompt, vllm_env, vllm_greedy  # noqa: F401 (autouse fixture)
+from tests.test_vllm_serving import (  # noqa: F401 (vllm_env: the autouse engine environment)
+    LOGPROB_ATOL,
+    assert_matches_hf,
+    prompt,
+    vllm_env,
+    vllm_greedy,
+)
 from tests.tiny import tiny_swiftkv_model
 
 L, C = 6, 2  # layers, cutoff: AcrossKV g = 2 gives two groups
@@ -57,15 +63,16 @@ class DeepSeekEngines:
             copy_bundled_tokenizer(path)
         return path
 
-    def get(self, family: str, g: int = 1, swiftkv: bool = True):
+    def get(self, family: str, g: int = 1, swiftkv: bool = True, prefill_skipping: bool = True):
         from vllm import LLM
 
-        key = (family, g, swiftkv)
+        key = (family, g, swiftkv, prefill_skipping)
         if key != self.key:
             self.close()
             self.llm = LLM(
                 model=str(self.path(family, g, swiftkv)), dtype="float32", enforce_eager=True, max_model_len=512,
                 max_num_seqs=MAX_NUM_SEQS, block_size=BLOCK_SIZE, seed=0,
+                additional_config={"swiftkv": {"prefill_skipping": prefill_skipping}},
             )
             self.key = key
             cache = self.llm.llm_engine.vllm_config.cache_config
@@ -142,14 +149,36 @@ def test_base_checkpoint_is_served_as_the_base_model(engines):
         teacher.swiftkv(True)
 
 
+def test_prompt_logprobs_without_prefill_skipping(engines):
+    """With ``prefill_skipping: false`` every row runs every layer, so the later layers attend to
+    prefill rows over the group's latent and ``k_pe`` handed to them (vLLM's MLA prefill path), not
+    over the cache: prompt logprobs equal the HF student's full forward, and generation still
+    equals the HF student."""
+    from vllm import SamplingParams, TokensPrompt
+
+    llm = engines.get("deepseek_v2-q_lora", 2, prefill_skipping=False)
+    model = engines.model("deepseek_v2-q_lora", 2)
+    prompt_ids = prompt(100, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids]), use_cache=False).logits[0]
+    expected = torch.log_softmax(logits, -1)[torch.arange(99), torch.tensor(prompt_ids[1:])].tolist()
+    got = [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], prompt_ids[1:], strict=True)]
+    assert got == pytest.approx(expected, abs=LOGPROB_ATOL)
+    prompts = [prompt(n, seed=30 + n) for n in (6, 40)]
+    assert_matches_hf(model, prompts, vllm_greedy(llm, prompts, 6), 6)
+
+
 @pytest.mark.parametrize(("family", "g"), [("deepseek_v2", 1), ("deepseek_v2-q_lora", 2)])
 def test_kv_capacity_ratio(engines, family, g):
     """Same KV memory: AcrossKV keeps MLA caches (one latent + k_pe per token) for c + (L - c) / g
     layers, so it fits L / (c + (L-c)/g) times the base model's tokens (within one block)."""
-    for key in (("deepseek_v2", 1, False), (family, g, True)):
+    base_key, swift_key = ("deepseek_v2", 1, False, True), (family, g, True, True)
+    for key in (base_key, swift_key):
         if key not in engines.kv_tokens:
             engines.get(*key)
-    base, swift = engines.kv_tokens["deepseek_v2", 1, False], engines.kv_tokens[family, g, True]
+    base, swift = engines.kv_tokens[base_key], engines.kv_tokens[swift_key]
     expected = base * L / (C + (L - C) // g)
     assert abs(swift - expected) <= BLOCK_SIZE, (base, swift, expected)
 
