@@ -33,19 +33,18 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2DecoderLayer,
     DeepseekV2MLP,
     DeepseekV2Model,
     DeepseekV2MoE,
 )
-from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
+from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from swiftkv.vllm.kv_internals import MLACacheReader, compile_unit, logits_rows, write_mla_cache
+from swiftkv.vllm.kv_internals import MLACacheReader, compile_unit, write_mla_cache
 from swiftkv.vllm.layout import SwiftKVLayout
-from swiftkv.vllm.model import run_layers
+from swiftkv.vllm.model import TOKEN_ARGS, SwiftKVForCausalLM, is_swiftkv, run_layers, run_on_logits_rows
 from swiftkv.vllm.weights import check_latent_swiftkv_tensors, keeps_latent_tensor
 
 
@@ -168,15 +167,7 @@ class DeepseekV2SwiftKVDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-# The token dimension of the compiled units' inputs varies from step to step.
-_TOKEN_ARGS = {"input_ids": 0, "positions": 0, "inputs_embeds": 0}
-
-
-def _is_swiftkv(vllm_config: VllmConfig) -> bool:
-    return bool(vllm_config.model_config.hf_config.swiftkv)
-
-
-@support_torch_compile(dynamic_arg_dims=_TOKEN_ARGS, enable_if=_is_swiftkv)
+@support_torch_compile(dynamic_arg_dims=TOKEN_ARGS, enable_if=is_swiftkv)
 class DeepseekV2SwiftKVPrefill(nn.Module):
     """Runs on every scheduled token: embedding, layers ``0..c-1``, and every group's latent and
     ``k_pe`` (rotary applied), ``[tokens, groups, kv_lora_rank + rope_dim]``."""
@@ -208,7 +199,7 @@ class DeepseekV2SwiftKVPrefill(nn.Module):
         return hidden, torch.cat([torch.stack(latents, dim=1), k_pe], dim=-1)
 
 
-@support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden_states": 0, "group_kv": 0}, enable_if=_is_swiftkv)
+@support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden_states": 0, "group_kv": 0}, enable_if=is_swiftkv)
 class DeepseekV2SwiftKVDecode(nn.Module):
     """Runs on the logits rows only: layers ``c..L-1`` (each with its group's latent and ``k_pe``
     at those rows) and the final norm."""
@@ -231,7 +222,7 @@ class DeepseekV2SwiftKVDecode(nn.Module):
         return hidden_states
 
 
-@support_torch_compile(dynamic_arg_dims=_TOKEN_ARGS, enable_if=lambda vllm_config: not _is_swiftkv(vllm_config))
+@support_torch_compile(dynamic_arg_dims=TOKEN_ARGS, enable_if=lambda vllm_config: not is_swiftkv(vllm_config))
 class DeepseekV2SwiftKVModel(nn.Module):
     """The decoder: owns every weight; with SwiftKV on, runs them as the two units above with the
     group caches written in between (compiled as one unit only for the plain base model)."""
@@ -314,57 +305,19 @@ class DeepseekV2SwiftKVModel(nn.Module):
         for g, cache in enumerate(self.group_caches):
             write_mla_cache(cache, latent[:, g].contiguous(), k_pe[:, g : g + 1].contiguous())
 
-        rows = logits_rows(self.layers[-1].self_attn.attn)
-        num_tokens = hidden.shape[0]
-        if rows is None or rows[1] == num_tokens:  # every row goes on, in order (see model.py)
-            indices, padded, num_rows = None, num_tokens, num_tokens
-        else:
-            indices, num_rows = rows
-            padded = indices.shape[0]
-        for buffer, value in ((self._rows_positions, positions), (self._rows_hidden, hidden),
-                              (self._rows_kv, group_kv)):
-            buffer[:padded].copy_(value if indices is None else value[indices])
-        out = self.decode(self._rows_positions[:padded], self._rows_hidden[:padded], self._rows_kv[:padded])
-        if indices is None:
-            return out
-        hidden = hidden.clone()  # the prefill unit's output may live in a CUDA-graph pool (see model.py)
-        hidden[indices[:num_rows]] = out[:num_rows]  # only the logits rows are read
-        return hidden
+        return run_on_logits_rows(
+            self.decode, self.layers[-1].self_attn.attn, hidden, (positions, hidden, group_kv),
+            (self._rows_positions, self._rows_hidden, self._rows_kv),
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return DeepseekV2Model.load_weights(self, weights)
 
 
-class DeepseekV2SwiftKVForCausalLM(nn.Module):
-    """``DeepseekV2SwiftKVForCausalLM``: the SwiftKV decoder and vLLM's LM head."""
+class DeepseekV2SwiftKVForCausalLM(SwiftKVForCausalLM):
+    """``DeepseekV2SwiftKVForCausalLM``: the DeepSeek-V2 SwiftKV decoder and vLLM's LM head."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        super().__init__()
-        config = vllm_config.model_config.hf_config
-        self.config = config
-        self.model = DeepseekV2SwiftKVModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
-            prefix=maybe_prefix(prefix, "lm_head"),
-        )
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+    model_cls = DeepseekV2SwiftKVModel
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         layout, seen = self.model.layout, set()
