@@ -14,12 +14,12 @@ from vllm.platforms import current_platform
 from swiftkv.config import is_latent_attention, layer_types
 from swiftkv.modeling import FAMILIES
 from swiftkv.vllm.kv_internals import prefer_reference_cpu_mla
-from swiftkv.vllm.layout import SERVED_FAMILIES, SwiftKVLayout
+from swiftkv.vllm.layout import SwiftKVLayout
 
 logger = logging.getLogger(__name__)
 
 # Architecture -> the model_type its checkpoints carry (the HF classes' names, as in config.json).
-ARCHITECTURES = {FAMILIES[family][1].__name__: FAMILIES[family][0].model_type for family in SERVED_FAMILIES}
+ARCHITECTURES = {model_cls.__name__: config_cls.model_type for config_cls, model_cls in FAMILIES.values()}
 # The architectures with latent attention (MLA), served by their own vLLM model file; the others by model.py.
 LATENT_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV2SwiftKVForCausalLM"})
 # Architecture -> the module of its vLLM model class.

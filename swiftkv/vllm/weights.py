@@ -2,7 +2,9 @@
 the vLLM SwiftKV model.
 
 vLLM's stock Llama loader maps ``.q_proj`` onto ``qkv_proj`` by substring, which would also catch
-``q_proj_swiftkv``; this mapping matches whole names instead.
+``q_proj_swiftkv``; this mapping matches whole names instead. DeepSeek-V2 (latent attention) keeps
+vLLM's own loading (expert mapping, fused projections): here only which of its tensors are loaded
+(``keeps_latent_tensor``) and the SwiftKV tensors' checks.
 """
 
 from __future__ import annotations
