@@ -80,10 +80,15 @@ class DeepSeekEngines:
         return self.llm
 
     def close(self) -> None:
+        """Shut the engine down, and vLLM's process-wide parallel groups with it: an in-process engine
+        keeps the groups it finds, and a dense model's (from another test module) have no
+        expert-parallel group, which the MoE layers need."""
+        from vllm.distributed import cleanup_dist_env_and_memory
+
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm, self.key = None, None
-            gc.collect()
+        cleanup_dist_env_and_memory()
 
 
 @pytest.fixture(scope="module")
