@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from swiftkv.bundled import copy_bundled_tokenizer
-from tests.tiny import tiny_config, tiny_swiftkv_model
+from tests.tiny import tiny_swiftkv_model
 
 L, C = 6, 2  # layers, cutoff: AcrossKV g in {1, 2, 4} divides L - C
 LOGPROB_ATOL = 1e-4
@@ -488,14 +488,3 @@ def test_missing_swiftkv_bias_fails_at_load(engines, checkpoints, tmp_path):
     with pytest.raises(Exception, match=r"lacks 1 SwiftKV tensor.*layers.4.self_attn.k_proj_swiftkv.bias"):
         LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=256)
     gc.collect()
-
-
-def test_deepseek_v2_is_not_served_yet():
-    """DeepSeek-V2 SwiftKV checkpoints train and run in the HF core, but the plugin has no latent-attention
-    model yet (docs/vllm.md): it neither registers the architecture nor builds a layout for it."""
-    from swiftkv.vllm.engine_config import ARCHITECTURES
-    from swiftkv.vllm.layout import SwiftKVLayout
-
-    assert "DeepseekV2SwiftKVForCausalLM" not in ARCHITECTURES and "Qwen3SwiftKVForCausalLM" in ARCHITECTURES
-    with pytest.raises(ValueError, match="'deepseek_v2_swiftkv' is not served by the SwiftKV vLLM plugin"):
-        SwiftKVLayout.from_config(tiny_config("deepseek_v2"), tp_size=1)

@@ -1,2 +1,3 @@
 """Serving SwiftKV checkpoints with vLLM 0.32: the plugin entry point (``plugin.register``), the
-model (``model``), and the few touches of vLLM internals it needs (``kv_internals``)."""
+models (``model``; ``deepseek_v2`` for latent attention), and the few touches of vLLM internals
+they need (``kv_internals``)."""

@@ -5,18 +5,28 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from pydantic import BaseModel, ConfigDict
 from vllm.config import VllmConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
+from vllm.platforms import current_platform
 
-from swiftkv.config import layer_types
+from swiftkv.config import is_latent_attention, layer_types
 from swiftkv.modeling import FAMILIES
-from swiftkv.vllm.layout import SERVED_FAMILIES, SwiftKVLayout
+from swiftkv.vllm.kv_internals import prefer_reference_cpu_mla
+from swiftkv.vllm.layout import SwiftKVLayout
 
 logger = logging.getLogger(__name__)
 
 # Architecture -> the model_type its checkpoints carry (the HF classes' names, as in config.json).
-ARCHITECTURES = {FAMILIES[family][1].__name__: FAMILIES[family][0].model_type for family in SERVED_FAMILIES}
+ARCHITECTURES = {model_cls.__name__: config_cls.model_type for config_cls, model_cls in FAMILIES.values()}
+# The architectures with latent attention (MLA), served by their own vLLM model file; the others by model.py.
+LATENT_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV2SwiftKVForCausalLM"})
+# Architecture -> the module of its vLLM model class.
+MODEL_MODULES = {
+    architecture: "swiftkv.vllm.deepseek_v2" if architecture in LATENT_ATTENTION_ARCHITECTURES else "swiftkv.vllm.model"
+    for architecture in ARCHITECTURES
+}
 # Quantisation methods the model's layers take as they are (None: unquantised; fp8: vLLM's online
 # FP8 weight quantisation, which works on any linear layer). Checkpoint-quantised formats would
 # need their packed tensors mapped onto the SwiftKV projections, which we do not do.
@@ -57,6 +67,10 @@ def check_serving_config(vllm_config: VllmConfig) -> SwiftKVLayout:
             f"quantization={model_config.quantization!r} is not supported by the SwiftKV model "
             f"(supported: unquantised or online 'fp8'); the KV cache can still use kv_cache_dtype='fp8'"
         )
+    if is_latent_attention(config) and model_config.dtype == torch.float16:
+        # vLLM's DeepSeek-V2 layers rescale the residual stream in float16 (overflow), which the
+        # SwiftKV layers after the cutoff do not mirror.
+        raise ValueError("DeepSeek-V2 SwiftKV checkpoints are served in bfloat16 or float32, not float16")
     if not config.swiftkv:
         return layout
     if parallel.pipeline_parallel_size > 1:
@@ -88,6 +102,12 @@ class SwiftKVEngineConfig(VerifyAndUpdateConfig):
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
         layout = check_serving_config(vllm_config)
         options = SwiftKVServingOptions.from_vllm_config(vllm_config)
+        if is_latent_attention(vllm_config.model_config.hf_config) and current_platform.is_cpu():
+            prefer_reference_cpu_mla(vllm_config)
+            # vLLM 0.32's CPU rotary kernel rotates a 3-D query ([tokens, heads, dim], as its MLA
+            # layers pass it) wrongly (seen here: vLLM's own DeepSeek-V2 differed from the HF model
+            # by 1e-3 in logprobs); its PyTorch path is right.
+            vllm_config.compilation_config.custom_ops.append("-rotary_embedding")
         if not vllm_config.model_config.hf_config.swiftkv:
             logger.info("swiftkv: false in the checkpoint: serving it as the plain base model")
             return

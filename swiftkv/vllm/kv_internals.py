@@ -1,8 +1,14 @@
 """Every use of vLLM internals below its public model API, kept in one place.
 
-SwiftKV needs five things vLLM 0.32 offers only internally:
+SwiftKV needs these things vLLM 0.32 offers only internally:
 - writing K/V into a layer's paged cache from outside that layer's ``Attention.forward``
-  (the KV of layers ``>= c`` is computed once from the cutoff state, for every token);
+  (the KV of layers ``>= c`` is computed once from the cutoff state, for every token), and the
+  same for a latent-attention (MLA) cache: latent and rotary key part (``write_mla_cache``);
+- a latent-attention layer that reads another layer's MLA cache and never writes it
+  (``MLACacheReader``): vLLM's ``MLAAttention`` has no KV sharing, and its runner counts a layer
+  as a cache sharer (and a candidate for the prefill early exit) only if it is an ``Attention``;
+- telling vLLM that a model type uses MLA (it decides by a list of model types), and keeping
+  the plain CPU MLA backend on hosts with AMX (``prefer_reference_cpu_mla``);
 - reading which rows of the batch need logits, which the model runner hands the KV-sharing
   layers when ``cache_config.kv_sharing_fast_prefill`` is on;
 - switching that flag on for our architectures alone (``MODELS_CONFIG_MAP``);
@@ -21,11 +27,21 @@ import torch
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention import Attention, MLAAttention
 from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
+from vllm.model_executor.layers.attention.mla_attention import (
+    unified_mla_attention_with_output,
+    unified_mla_kv_cache_update,
+)
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
 from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.model_arch_config_convertor import (
+    MODEL_ARCH_CONFIG_CONVERTORS,
+    ModelArchConfigConvertorBase,
+)
 from vllm.utils.torch_utils import _encode_layer_name
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
 
 
@@ -38,6 +54,69 @@ def write_kv_cache(attn: Attention, key: torch.Tensor, value: torch.Tensor) -> N
         unified_kv_cache_update(key, value, attn.layer_name)
     else:  # the opaque custom op, as Attention.forward calls it on CPU and CUDA
         torch.ops.vllm.unified_kv_cache_update(key, value, _encode_layer_name(attn.layer_name))
+
+
+def write_mla_cache(owner: MLAAttention, latent: torch.Tensor, k_pe: torch.Tensor) -> None:
+    """Store ``latent`` (``[tokens, kv_lora_rank]``, normed) and ``k_pe`` (``[tokens, 1, rope_dim]``,
+    rotary applied) of every scheduled token in the MLA cache of ``owner``, as its own forward would."""
+    if owner.use_direct_call:
+        unified_mla_kv_cache_update(latent, k_pe, owner.layer_name, owner.kv_cache_dtype, owner._k_scale)
+    else:  # the opaque custom op, as MLAAttention.forward calls it on CPU
+        torch.ops.vllm.unified_mla_kv_cache_update(
+            latent, k_pe, _encode_layer_name(owner.layer_name), owner.kv_cache_dtype, owner._k_scale
+        )
+
+
+class MLACacheReader(MLAAttention):
+    """An ``MLAAttention`` that attends to the MLA cache of ``kv_sharing_target_layer_name`` and
+    never writes it (the runner's slot mapping for a sharer covers every scheduled token, not the
+    rows a SwiftKV later layer runs on). Its backend is built as for any MLA layer (the MLA
+    backends refuse a sharing target); the runner learns of the sharing from the attribute, read on
+    ``Attention`` layers only, hence the registration as a virtual subclass below. Decode rows read
+    the cache (absorbed ``W_UK``/``W_UV`` of the ``kv_b_proj`` given); prefill rows attend over the
+    latent and ``k_pe`` passed in, as in ``MLAAttention``."""
+
+    attn_type = AttentionType.DECODER  # read by the runner on every Attention layer
+
+    def __init__(self, *, kv_sharing_target_layer_name: str, **mla_kwargs) -> None:
+        super().__init__(**mla_kwargs)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def forward(
+        self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, output_shape: torch.Size
+    ) -> torch.Tensor:
+        output = torch.empty(output_shape, dtype=q.dtype, device=q.device)
+        if self.use_direct_call:
+            unified_mla_attention_with_output(q, latent, k_pe, output, self.layer_name)
+        else:
+            torch.ops.vllm.unified_mla_attention_with_output(
+                q, latent, k_pe, output, _encode_layer_name(self.layer_name)
+            )
+        return output
+
+
+Attention.register(MLACacheReader)
+
+
+def register_mla_model_type(model_type: str) -> None:
+    """Make vLLM treat ``model_type`` as latent attention (``ModelConfig.use_mla``: the MLA cache
+    layout, head size ``kv_lora_rank + qk_rope_head_dim``, the platform's MLA settings) when the
+    config has a ``kv_lora_rank``, as it does for ``deepseek_v2``."""
+
+    class LatentAttentionConvertor(ModelArchConfigConvertorBase):
+        def is_deepseek_mla(self) -> bool:
+            return getattr(self.hf_text_config, "kv_lora_rank", None) is not None
+
+    MODEL_ARCH_CONFIG_CONVERTORS[model_type] = LatentAttentionConvertor
+
+
+def prefer_reference_cpu_mla(vllm_config: VllmConfig) -> None:
+    """On CPUs with AMX, vLLM picks its AMX MLA backend, which frees ``kv_b_proj.weight`` once a layer
+    has packed it: a ``kv_b_proj_swiftkv`` shared by a group's cache and readers would then be gone
+    for the second one. Ask for the reference CPU MLA backend there (a config hook runs before the
+    platform reads this)."""
+    if torch.cpu._is_amx_tile_supported():
+        vllm_config.attention_config.backend = AttentionBackendEnum.CPU_MLA
 
 
 def logits_rows(kv_sharing_layer: Attention) -> tuple[torch.Tensor, int] | None:

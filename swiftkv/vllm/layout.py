@@ -12,11 +12,8 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from swiftkv.config import attention_head_dim, check_swiftkv_shape, has_qk_norm, qkv_has_bias
 from swiftkv.modeling import FAMILIES
 
-# The families the plugin serves: swiftkv.modeling's, but DeepSeek-V2 (latent attention), whose vLLM
-# model is not written yet (docs/vllm.md).
-SERVED_FAMILIES = tuple(family for family in FAMILIES if family != "deepseek_v2")
-# The SwiftKV model types the plugin serves.
-SERVED_MODEL_TYPES = tuple(FAMILIES[family][0].model_type for family in SERVED_FAMILIES)
+# The SwiftKV model types the plugin serves: every family of swiftkv.modeling.
+SERVED_MODEL_TYPES = tuple(config_cls.model_type for config_cls, _ in FAMILIES.values())
 
 
 @dataclass(frozen=True)

@@ -169,14 +169,47 @@ def run_layers(layers: Sequence[nn.Module], positions: torch.Tensor, hidden_stat
 
 
 # The token dimension of the compiled units' inputs varies from step to step.
-_TOKEN_ARGS = {"input_ids": 0, "positions": 0, "inputs_embeds": 0}
+TOKEN_ARGS = {"input_ids": 0, "positions": 0, "inputs_embeds": 0}
 
 
-def _is_swiftkv(vllm_config: VllmConfig) -> bool:
+def is_swiftkv(vllm_config: VllmConfig) -> bool:
     return bool(vllm_config.model_config.hf_config.swiftkv)
 
 
-@support_torch_compile(dynamic_arg_dims=_TOKEN_ARGS, enable_if=_is_swiftkv)
+def run_on_logits_rows(
+    decode: nn.Module,
+    kv_sharing_layer: nn.Module,
+    hidden: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """``hidden`` (every scheduled token's cutoff state) with the rows whose logits the runner reads
+    replaced by ``decode``'s output on them. ``decode`` takes the rows of each of ``inputs`` (the
+    first is the positions), always read from the static ``buffers`` (CUDA graphs replay fixed
+    addresses), as Gemma3n's YOCO split does."""
+    rows = logits_rows(kv_sharing_layer)
+    num_tokens = hidden.shape[0]
+    if rows is None or rows[1] == num_tokens:
+        # Every row goes on, in order: warm-up, profiling and CUDA-graph capture runs, and
+        # decode-only steps (each token is its request's logits row; see logits_rows for when
+        # each model runner arms fast prefill).
+        for buffer, value in zip(buffers, inputs, strict=True):
+            buffer[:num_tokens].copy_(value)
+        return decode(*(buffer[:num_tokens] for buffer in buffers))
+    indices, num_rows = rows
+    padded = indices.shape[0]
+    for buffer, value in zip(buffers, inputs, strict=True):
+        buffer[:padded].copy_(value[indices])
+    # Cloned before the decode unit runs: under piecewise CUDA graphs the prefill unit's output
+    # is a weak reference into the graph pool, which the decode unit's graphs may reuse.
+    hidden = hidden.clone()
+    out = decode(*(buffer[:padded] for buffer in buffers))
+    # Only the logits rows are read; the others keep their cutoff state.
+    hidden[indices[:num_rows]] = out[:num_rows]
+    return hidden
+
+
+@support_torch_compile(dynamic_arg_dims=TOKEN_ARGS, enable_if=is_swiftkv)
 class SwiftKVPrefill(nn.Module):
     """Runs on every scheduled token: embedding, layers ``0..c-1``, and the K/V (rotary applied) of
     every AcrossKV group from the normed cutoff state."""
@@ -208,7 +241,7 @@ class SwiftKVPrefill(nn.Module):
         return hidden, key, value
 
 
-@support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden_states": 0}, enable_if=_is_swiftkv)
+@support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden_states": 0}, enable_if=is_swiftkv)
 class SwiftKVDecode(nn.Module):
     """Runs on the logits rows only: layers ``c..L-1`` and the final norm."""
 
@@ -221,7 +254,7 @@ class SwiftKVDecode(nn.Module):
         return self.norm(run_layers(self.layers, positions, hidden_states))
 
 
-@support_torch_compile(dynamic_arg_dims=_TOKEN_ARGS, enable_if=lambda vllm_config: not _is_swiftkv(vllm_config))
+@support_torch_compile(dynamic_arg_dims=TOKEN_ARGS, enable_if=lambda vllm_config: not is_swiftkv(vllm_config))
 class SwiftKVModel(nn.Module):
     """The decoder: owns every weight; with SwiftKV on, runs them as the two units above with the
     group caches written in between (compiled as one unit only for the plain base model)."""
@@ -310,38 +343,22 @@ class SwiftKVModel(nn.Module):
         for cache, k, v in zip(self.group_caches, key.chunk(num_groups, -1), value.chunk(num_groups, -1), strict=True):
             write_kv_cache(cache, k, v)
 
-        # The decode unit always reads its inputs from the static buffers (CUDA graphs replay fixed
-        # addresses), as Gemma3n's YOCO split does.
-        rows = logits_rows(self.layers[-1].self_attn.attn)
-        num_tokens = hidden.shape[0]
-        if rows is None or rows[1] == num_tokens:
-            # Every row goes on, in order: warm-up, profiling and CUDA-graph capture runs, and
-            # decode-only steps (each token is its request's logits row; see logits_rows for when
-            # each model runner arms fast prefill).
-            self._rows_positions[:num_tokens].copy_(positions)
-            self._rows_hidden[:num_tokens].copy_(hidden)
-            return self.decode(self._rows_positions[:num_tokens], self._rows_hidden[:num_tokens])
-        indices, num_rows = rows
-        padded = indices.shape[0]
-        self._rows_positions[:padded].copy_(positions[indices])
-        self._rows_hidden[:padded].copy_(hidden[indices])
-        # Cloned before the decode unit runs: under piecewise CUDA graphs the prefill unit's output
-        # is a weak reference into the graph pool, which the decode unit's graphs may reuse.
-        hidden = hidden.clone()
-        out = self.decode(self._rows_positions[:padded], self._rows_hidden[:padded])
-        # Only the logits rows are read; the others keep their cutoff state.
-        hidden[indices[:num_rows]] = out[:num_rows]
-        return hidden
+        return run_on_logits_rows(
+            self.decode, self.layers[-1].self_attn.attn, hidden, (positions, hidden),
+            (self._rows_positions, self._rows_hidden),
+        )
 
 
 class SwiftKVForCausalLM(nn.Module):
     """``*SwiftKVForCausalLM``: the SwiftKV decoder and vLLM's (tied or separate) LM head."""
 
+    model_cls: type[nn.Module] = SwiftKVModel  # the decoder
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        self.model = SwiftKVModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.model = self.model_cls(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(
             config.vocab_size,
             config.hidden_size,

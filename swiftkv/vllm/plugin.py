@@ -12,11 +12,18 @@ def register() -> None:
     from vllm import ModelRegistry
 
     import swiftkv.modeling  # noqa: F401  (registers the SwiftKV configs with AutoConfig)
-    from swiftkv.vllm.engine_config import ARCHITECTURES, SwiftKVEngineConfig
-    from swiftkv.vllm.kv_internals import refuse_prompt_logprobs, register_config_hook
+    from swiftkv.vllm.engine_config import (
+        ARCHITECTURES,
+        LATENT_ATTENTION_ARCHITECTURES,
+        MODEL_MODULES,
+        SwiftKVEngineConfig,
+    )
+    from swiftkv.vllm.kv_internals import refuse_prompt_logprobs, register_config_hook, register_mla_model_type
 
-    for architecture in ARCHITECTURES:
+    for architecture, model_type in ARCHITECTURES.items():
         # Lazy "module:class" form: the model module (and CUDA) is imported only when built.
-        ModelRegistry.register_model(architecture, f"swiftkv.vllm.model:{architecture}")
+        ModelRegistry.register_model(architecture, f"{MODEL_MODULES[architecture]}:{architecture}")
         register_config_hook(architecture, SwiftKVEngineConfig)
+        if architecture in LATENT_ATTENTION_ARCHITECTURES:
+            register_mla_model_type(model_type)  # vLLM decides latent attention by model_type
     refuse_prompt_logprobs(frozenset(ARCHITECTURES))

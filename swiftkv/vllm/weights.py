@@ -2,7 +2,9 @@
 the vLLM SwiftKV model.
 
 vLLM's stock Llama loader maps ``.q_proj`` onto ``qkv_proj`` by substring, which would also catch
-``q_proj_swiftkv``; this mapping matches whole names instead.
+``q_proj_swiftkv``; this mapping matches whole names instead. DeepSeek-V2 (latent attention) keeps
+vLLM's own loading (expert mapping, fused projections): here only which of its tensors are loaded
+(``keeps_latent_tensor``) and the SwiftKV tensors' checks.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+from swiftkv.modeling.deepseek_v2 import DeepseekV2SwiftKVAttention
 from swiftkv.vllm.layout import SwiftKVLayout
 
 _ATTN = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj(_swiftkv)?\.(weight|bias)")
@@ -135,9 +139,70 @@ def _check_swiftkv_tensors(seen: set[str], layout: SwiftKVLayout) -> None:
         expected |= {f"{attn}.{p}_proj_swiftkv.{kind}" for p in projections for kind in kinds}
         if layout.qk_norm:
             expected |= {f"{attn}.{p}_norm_swiftkv.weight" for p in projections if p != "v"}
+    _check_present(seen, expected, layout)
+
+
+def _check_present(seen: set[str], expected: set[str], layout: SwiftKVLayout) -> None:
     if missing := sorted(expected - seen):
         raise ValueError(
             f"the checkpoint lacks {len(missing)} SwiftKV tensor(s) its config calls for "
             f"(num_key_value_layers={layout.num_kv_layers}, key_value_group_size={layout.group_size}), "
             f"e.g. {missing[:3]}: was it converted with other settings?"
         )
+
+
+# DeepSeek-V2 (latent attention): the attention modules that SwiftKV copies, as the HF model names them.
+_LATENT_QUERY = DeepseekV2SwiftKVAttention.query_modules
+_LATENT_KEY_VALUE = DeepseekV2SwiftKVAttention.key_value_modules
+_LATENT_ATTN = re.compile(
+    rf"model\.layers\.(\d+)\.self_attn\.({'|'.join(_LATENT_QUERY + _LATENT_KEY_VALUE)})(_swiftkv)?\.weight"
+)
+
+
+def _latent_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """The whole (unsharded) shape of each latent-attention module's weight."""
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    q_lora = getattr(config, "q_lora_rank", None)
+    return {
+        "q_proj": (heads * qk_head_dim, hidden),
+        "q_a_proj": (q_lora, hidden),
+        "q_a_layernorm": (q_lora,),
+        "q_b_proj": (heads * qk_head_dim, q_lora),
+        "kv_a_proj_with_mqa": (config.kv_lora_rank + config.qk_rope_head_dim, hidden),
+        "kv_a_layernorm": (config.kv_lora_rank,),
+        "kv_b_proj": (heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank),
+    }
+
+
+def keeps_latent_tensor(name: str, layout: SwiftKVLayout, config: PretrainedConfig, shape: torch.Size) -> bool:
+    """Whether a DeepSeek-V2 checkpoint tensor is loaded (under its own name; vLLM's DeepSeek-V2
+    loading maps experts and fused projections): not the teacher's attention of layers after the
+    cutoff, nor the SwiftKV tensors of a checkpoint served as its base model. SwiftKV tensors are
+    checked against the config (vLLM's sharded loaders would cut a tensor that is too large)."""
+    if name == "model.norm_swiftkv.weight":
+        return bool(config.swiftkv)
+    if not (match := _LATENT_ATTN.fullmatch(name)):
+        return True
+    layer, module, swiftkv_copy = int(match[1]), match[2], match[3] is not None
+    if swiftkv_copy != (layer >= layout.num_kv_layers):
+        return False  # a later layer's teacher attention, or a SwiftKV copy served as the base model
+    if swiftkv_copy:
+        if module in _LATENT_KEY_VALUE:
+            _check_leader(name, layer, layout)
+        if tuple(shape) != (want := _latent_shapes(config)[module]):
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(shape)}, but its config.json calls for "
+                f"{want}: the checkpoint does not match its config"
+            )
+    return True
+
+
+def check_latent_swiftkv_tensors(seen: set[str], layout: SwiftKVLayout, config: PretrainedConfig) -> None:
+    """Every SwiftKV tensor a DeepSeek-V2 config calls for is in the checkpoint (named in the error)."""
+    query = ("q_proj",) if getattr(config, "q_lora_rank", None) is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
+    expected = {"model.norm_swiftkv.weight"}
+    for layer in range(layout.num_kv_layers, layout.num_layers):
+        modules = query + (_LATENT_KEY_VALUE if layer in layout.leaders else ())
+        expected |= {f"model.layers.{layer}.self_attn.{m}_swiftkv.weight" for m in modules}
+    _check_present(seen, expected, layout)
