@@ -22,6 +22,7 @@ from tests.test_vllm_serving import (  # noqa: F401 (vllm_env: the autouse engin
     LOGPROB_ATOL,
     assert_matches_hf,
     prompt,
+    rows_per_step,
     vllm_env,
     vllm_greedy,
 )
@@ -128,18 +129,7 @@ def test_single_prompt_and_mixed_batch(served):
 def test_only_logits_rows_run_the_later_layers(served):
     """Prefill skipping really happens: a 150-token prompt (one step: no chunked prefill for MLA on
     CPU) sends every token through layers < c but one row per step through layers >= c."""
-    llm, _ = served
-
-    def record(model) -> None:
-        model.rows_seen = {"before": [], "after": []}  # tokens entering layers c - 1 and c
-        for where, layer in (("before", model.model.layers[C - 1]), ("after", model.model.layers[C])):
-            layer.register_forward_pre_hook(
-                lambda module, args, where=where: model.rows_seen[where].append(args[0].shape[0])
-            )
-
-    llm.apply_model(record)
-    vllm_greedy(llm, [prompt(150, seed=6)], 3)
-    rows = llm.apply_model(lambda model: model.rows_seen)[0]
+    rows = rows_per_step(served[0], C, prompt(150, seed=6), 3)
     assert rows["before"] == [150, 1, 1]
     assert rows["after"] == [1, 1, 1]
 

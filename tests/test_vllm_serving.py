@@ -198,21 +198,26 @@ def test_chunked_prefill_and_prefix_caching(served):
     assert_matches_hf(model, [second], out, 6)
 
 
-def test_only_logits_rows_run_the_later_layers(served):
-    """Prefill skipping really happens: a 150-token prompt in 64-token chunks sends every token
-    through layers < c but one row per step through layers >= c."""
-    llm, _ = served
+def rows_per_step(llm, c: int, prompt_ids: list[int], max_tokens: int) -> dict[str, list[int]]:
+    """The rows entering layer ``c - 1`` ("before") and layer ``c`` ("after") at each engine step of
+    one greedy request (hooks added to the engine's model, once per engine)."""
 
     def record(model) -> None:
-        model.rows_seen = {"before": [], "after": []}  # tokens entering layers c - 1 and c
-        for where, layer in (("before", model.model.layers[C - 1]), ("after", model.model.layers[C])):
+        model.rows_seen = {"before": [], "after": []}
+        for where, layer in (("before", model.model.layers[c - 1]), ("after", model.model.layers[c])):
             layer.register_forward_pre_hook(
                 lambda module, args, where=where: model.rows_seen[where].append(args[0].shape[0])
             )
 
     llm.apply_model(record)
-    vllm_greedy(llm, [prompt(150, seed=6)], 3)
-    rows = llm.apply_model(lambda model: model.rows_seen)[0]
+    vllm_greedy(llm, [prompt_ids], max_tokens)
+    return llm.apply_model(lambda model: model.rows_seen)[0]
+
+
+def test_only_logits_rows_run_the_later_layers(served):
+    """Prefill skipping really happens: a 150-token prompt in 64-token chunks sends every token
+    through layers < c but one row per step through layers >= c."""
+    rows = rows_per_step(served[0], C, prompt(150, seed=6), 3)
     assert rows["before"] == [64, 64, 22, 1, 1]
     assert rows["after"] == [1, 1, 1, 1, 1]
 
