@@ -136,3 +136,11 @@ def is_latent_attention(config) -> bool:
     """DeepSeek-V2's multi-head latent attention (the cache holds a latent, not per-head K/V): a
     config fact beside ``has_qk_norm``, read by the cost model."""
     return config.model_type.removesuffix("_swiftkv") == "deepseek_v2"
+
+
+def is_moe_layer(config, layer: int) -> bool:
+    """Whether ``layer`` of a mixture-of-experts model (DeepSeek-V2) runs experts rather than a dense
+    MLP: vLLM's rule (``moe_layer_freq`` included; transformers ignores it, and the published
+    DeepSeek-V2 configs set it to 1, where the two agree). Shared by the cost model and the vLLM model."""
+    return (getattr(config, "n_routed_experts", None) is not None and layer >= config.first_k_dense_replace
+            and layer % getattr(config, "moe_layer_freq", 1) == 0)

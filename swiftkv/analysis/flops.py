@@ -33,6 +33,7 @@ from swiftkv.config import (
     check_swiftkv_shape,
     has_qk_norm,
     is_latent_attention,
+    is_moe_layer,
     layer_types,
     qkv_has_bias,
 )
@@ -117,7 +118,7 @@ class ModelShape:
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         dense_mlp = Part(3 * config.hidden_size * config.intermediate_size,
                          (2 * config.intermediate_size + config.hidden_size) * mlp_bias)
-        mlps = [_moe(config) if _is_moe_layer(config, i) else (dense_mlp, dense_mlp.params)
+        mlps = [_moe(config) if is_moe_layer(config, i) else (dense_mlp, dense_mlp.params)
                 for i in range(config.num_hidden_layers)]
         window = getattr(config, "sliding_window", None)
         return cls(
@@ -163,10 +164,6 @@ def _latent_attention(config) -> dict:
         attention_per_key=2 * heads * (qk_head + config.v_head_dim),
         kv_cache_width=latent + rope,
     )
-
-
-def _is_moe_layer(config, layer: int) -> bool:
-    return getattr(config, "n_routed_experts", None) is not None and layer >= config.first_k_dense_replace
 
 
 def _moe(config) -> tuple[Part, int]:

@@ -27,7 +27,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import MLAAttention
@@ -42,6 +41,7 @@ from vllm.model_executor.models.deepseek_v2 import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
+from swiftkv.config import is_moe_layer
 from swiftkv.vllm.kv_internals import MLACacheReader, compile_unit, write_mla_cache
 from swiftkv.vllm.layout import SwiftKVLayout
 from swiftkv.vllm.model import TOKEN_ARGS, SwiftKVForCausalLM, is_swiftkv, run_layers, run_on_logits_rows
@@ -53,12 +53,6 @@ def rotate(rotary_emb: nn.Module, positions: torch.Tensor, x: torch.Tensor) -> t
     rotary asserts that a key comes along: a one-head throwaway key does."""
     x, _ = rotary_emb(positions, x, torch.zeros_like(x[:, :1]))
     return x
-
-
-def _is_moe_layer(config: PretrainedConfig, layer_idx: int) -> bool:
-    """vLLM's ``DeepseekV2DecoderLayer`` rule."""
-    return (config.n_routed_experts is not None and layer_idx >= config.first_k_dense_replace
-            and layer_idx % getattr(config, "moe_layer_freq", 1) == 0)
 
 
 class DeepseekV2SwiftKVAttention(nn.Module):
@@ -140,7 +134,7 @@ class DeepseekV2SwiftKVDecoderLayer(nn.Module):
         self.self_attn = DeepseekV2SwiftKVAttention(
             vllm_config, layout, layer_idx, f"{prefix}.self_attn", cache, reference
         )
-        if _is_moe_layer(config, layer_idx):
+        if is_moe_layer(config, layer_idx):  # as vLLM's own layers before the cutoff decide
             self.mlp = DeepseekV2MoE(
                 config=config, parallel_config=vllm_config.parallel_config, quant_config=vllm_config.quant_config,
                 prefix=f"{prefix}.mlp", apply_routed_scale_to_output=True,
