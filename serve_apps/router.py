@@ -6,7 +6,9 @@ prompt every request shares must not herd them all onto one replica).
 A replica's estimate is ``(uncached tokens waiting + tokens this router sent it since its figures
 were taken + this prompt's uncached tokens) / its calibrated prefill rate``. The waiting tokens come
 from the replica's own published :class:`~serve_apps.load.ReplicaLoad` (``record_routing_stats``);
-the router adds what it has sent since, because those figures are up to a stats period old. Prefix
+the router adds what it has sent since, because those figures are up to a stats period old, counting
+a prompt as soon as it ranks a replica first (Serve confirms the choice only after the replica has
+accepted, a round trip later, and meanwhile ranks the rest of a burst). Prefix
 ownership is remembered locally (which replica last got each prefix block), so nothing here waits
 on another process: ``choose_replicas`` never blocks.
 
@@ -62,7 +64,8 @@ class PrefillRouterCore:
     def __init__(self, config: PrefillRouterConfig, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
-        self._sent: dict[Hashable, deque[tuple[float, float]]] = {}  # replica -> (time, tokens)
+        self._sent: dict[Hashable, deque[list[float]]] = {}  # replica -> [time, tokens] entries
+        self._by_request: OrderedDict[Hashable, tuple[Hashable, list[float]]] = OrderedDict()  # its entry
         self._prefix_owner: OrderedDict[int, Hashable] = OrderedDict()
 
     def _cached_blocks(self, hint: PromptHint) -> dict[Hashable, int]:
@@ -111,20 +114,52 @@ class PrefillRouterCore:
                 estimates.insert(0, holder)
         return [e.replica for e in estimates]
 
-    def record_sent(self, replica: Hashable, hint: PromptHint) -> None:
-        """Count ``hint``'s tokens against ``replica`` and make it the owner of the prompt's prefix."""
-        self._sent.setdefault(replica, deque()).append((self.clock(), hint.prompt_tokens))
+    def record_sent(self, replica: Hashable, hint: PromptHint, request: Hashable | None = None) -> None:
+        """Count ``hint``'s tokens against ``replica`` and make it the owner of the prompt's prefix.
+        ``request``: a key of the request; recording it again moves its count (no-op on the same
+        replica), so a request counted at its first choice and then sent elsewhere counts once."""
+        now = self.clock()
+        if request is not None:
+            previous = self._by_request.pop(request, None)
+            if previous is not None:
+                if previous[0] == replica:
+                    self._by_request[request] = previous
+                    return
+                previous[1][1] = 0.0  # counted at its first choice; it went elsewhere
+            while self._by_request and next(iter(self._by_request.values()))[1][0] < now - self.config.sent_memory_s:
+                self._by_request.popitem(last=False)  # never settled (cancelled, failed): let go
+        entry = [now, hint.prompt_tokens]
+        self._sent.setdefault(replica, deque()).append(entry)
+        if request is not None:
+            self._by_request[request] = (replica, entry)
         for block in hint.prefix_blocks:
             self._prefix_owner[block] = replica
             self._prefix_owner.move_to_end(block)
         while len(self._prefix_owner) > self.config.max_prefix_blocks:
             self._prefix_owner.popitem(last=False)
 
+    def settle(self, request: Hashable | None) -> None:
+        """``request`` is where it stays: its count can no longer move."""
+        self._by_request.pop(request, None)
+
+    def withdraw(self, request: Hashable | None) -> None:
+        """Take back ``request``'s count (it is being ranked again: it must not weigh on its own
+        choice)."""
+        previous = self._by_request.pop(request, None)
+        if previous is not None:
+            previous[1][1] = 0.0
+
     def forget_replicas(self, alive: set[Hashable]) -> None:
         for replica in [r for r in self._sent if r not in alive]:
             del self._sent[replica]
         for block in [b for b, r in self._prefix_owner.items() if r not in alive]:
             del self._prefix_owner[block]
+
+
+def _request_key(pending_request) -> Hashable | None:
+    """Serve's id of a pending request (kept across its routing retries), if it has one."""
+    metadata = getattr(pending_request, "metadata", None)
+    return getattr(metadata, "internal_request_id", None)
 
 
 def request_hint(pending_request) -> PromptHint:
@@ -150,14 +185,22 @@ class PrefillAwareRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         by_id = {r.replica_id: r for r in candidate_replicas}
+        hint, key = request_hint(pending_request), _request_key(pending_request)
+        self.core.withdraw(key)  # a retry: ranked as if it had not been counted yet
         ranked = self.core.rank(
-            [(r.replica_id, ReplicaLoad.from_metrics(r.routing_stats)) for r in candidate_replicas],
-            request_hint(pending_request),
-        )
+            [(r.replica_id, ReplicaLoad.from_metrics(r.routing_stats)) for r in candidate_replicas], hint)
+        # Serve calls on_request_routed only once the replica has accepted the request, a round trip
+        # later, and ranks the other requests of a burst meanwhile: counted only then, a burst would
+        # all go to the same replica. So the prompt counts against its first choice now, and moves if
+        # Serve sends it elsewhere.
+        if ranked and key is not None:
+            self.core.record_sent(ranked[0], hint, key)
         return [[by_id[r]] for r in ranked]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
-        self.core.record_sent(replica_id, request_hint(pending_request))
+        key = _request_key(pending_request)
+        self.core.record_sent(replica_id, request_hint(pending_request), key)
+        self.core.settle(key)
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)

@@ -197,6 +197,25 @@ def test_calibration_output_is_a_profile(tmp_path):
     assert set(raw["models"]) == set(profile.models) == {"base", "swiftkv-50", "swiftkv-50-acrosskv"}
 
 
+def test_a_profile_measured_through_serve_keeps_the_engine_limits_and_round_trips(tmp_path):
+    from swiftkv.fleet.serve_profile import ServeCalibration, serve_figures
+    from swiftkv.fleet.validate import ValidateConfig
+
+    engine = load_profile(PROFILES / "cpu-smollm2.json").figures("swiftkv-50")
+    cfg = ValidateConfig(traffic=TrafficConfig(trace="unused.jsonl"), profile="unused.json", replicas=2)
+    cal = ServeCalibration(input_lens=[32, 1536], batches=[1, 8], decode_contexts=[1024])
+    curves = {"prefill_tokens_per_s_by_input_len": {32: 120.0, 1536: 300.0}, "decode_step_s_by_batch": {1: 0.1, 8: 0.2},
+              "decode_step_s_by_context": {1024: 0.3}, "decode_context_batch": 8}
+    figures = serve_figures(engine, curves, cal, cfg)
+    assert figures.prefill_tokens_per_s == 300.0 and figures.decode_step_s_by_batch == {1: 0.1, 8: 0.2}
+    assert figures.decode_step_s_by_context == {1024: 0.3} and figures.decode_context_batch == 8
+    assert (figures.kv_cache_tokens, figures.max_num_batched_tokens, figures.startup_s) == (
+        engine.kv_cache_tokens, engine.max_num_batched_tokens, engine.startup_s)
+    assert figures.side_by_side == 2 and "through swiftkv serve" in figures.notes
+    save_profile(Profile(models={"swiftkv-50": figures}), tmp_path / "serve.json")
+    assert load_profile(tmp_path / "serve.json").figures("swiftkv-50") == figures
+
+
 def test_traces_read_write_window_superpose_and_scale(tmp_path):
     trace = Trace((TraceRequest(0.0, 1000, 5, (0, 1)), TraceRequest(2.0, 600, 3, (0, 2)),
                    TraceRequest(4.0, 300, 1, (3,))), 512)

@@ -141,9 +141,19 @@ class FakeReplica:
 
 
 @dataclass
+class FakeMetadata:
+    internal_request_id: str
+
+
+@dataclass
 class FakePending:
     args: list
     kwargs: dict = field(default_factory=dict)
+    metadata: FakeMetadata | None = None
+
+
+def pending(hint: PromptHint, key: str) -> FakePending:
+    return FakePending([ForwardedRequest("POST", "/v1/completions", hint=hint)], metadata=FakeMetadata(key))
 
 
 def _router(**kwargs) -> PrefillAwareRouter:
@@ -175,6 +185,35 @@ def test_serve_router_counts_routed_requests_and_reads_no_hint_safely():
     second = asyncio.run(router.choose_replicas(replicas, other))[0][0]
     assert second.replica_id != first.replica_id
     assert len(asyncio.run(router.choose_replicas(replicas, None))) == 2  # no request: still a ranking
+
+
+def test_a_burst_ranked_before_any_is_routed_spreads_over_the_replicas():
+    """Serve ranks every request of a burst before the replicas' acceptances come back (it calls
+    on_request_routed a round trip later): each prompt counts against its first choice at once."""
+    router = _router()
+    replicas = [FakeReplica("r1", waiting(0, at=0.0).to_metrics()), FakeReplica("r2", waiting(0, at=0.0).to_metrics())]
+    burst = [pending(ids_prompt(1000, start=10_000 * i), f"req-{i}") for i in range(4)]
+    firsts = [asyncio.run(router.choose_replicas(replicas, p))[0][0].replica_id for p in burst]
+    assert sorted(firsts) == ["r1", "r1", "r2", "r2"]
+    for p, replica in zip(burst, firsts, strict=True):
+        router.on_request_routed(p, replica, None)  # confirmed where chosen: nothing counts twice
+    assert router.core._sent_since("r1", 0.0, router.core.clock()) == 2000
+    # A request ranked again (Serve's retry after a rejection) is ranked without its own count.
+    retry = pending(ids_prompt(1000, start=90_000), "req-retry")
+    first = asyncio.run(router.choose_replicas(replicas, retry))[0][0].replica_id
+    assert asyncio.run(router.choose_replicas(replicas, retry))[0][0].replica_id == first
+    assert router.core._sent_since(first, 0.0, router.core.clock()) == 3000
+
+
+def test_a_request_sent_elsewhere_than_its_first_choice_counts_once(core):
+    core, _ = core
+    hint = ids_prompt(700)
+    core.record_sent("r1", hint, "req")  # ranked first (then full, say)
+    core.record_sent("r1", hint, "req")  # ranked first again on a retry: still once
+    core.record_sent("r2", hint, "req")  # Serve sent it to the second rank
+    core.settle("req")
+    assert core._sent_since("r1", 0.0, core.clock()) == 0 and core._sent_since("r2", 0.0, core.clock()) == 700
+    assert core.rank([("r1", waiting(0, at=0.0)), ("r2", waiting(0, at=0.0))], hint)[0] == "r2"  # its prefix
 
 
 def test_router_kwargs_are_validated():

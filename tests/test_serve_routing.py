@@ -1,7 +1,8 @@
 """Routing and reliability on a real local Serve: two replicas of the bundled SmolLM2-135M (real
 prefill cost on CPU). The prefill-aware router prefers an idle replica over one with a long prompt
 queued, and a replica killed by its pid under a bounded load is replaced by Serve while the other
-keeps answering, every request ending answered or refused with a status."""
+keeps answering, every request ending answered or refused with a status; the through-Serve
+calibration measures on it."""
 
 from __future__ import annotations
 
@@ -60,6 +61,22 @@ def test_router_prefers_the_idle_replica_over_one_with_a_long_prompt_queued(clie
         list(stream)
     assert short_replica != long_replica and first.choices[0].text is not None
     assert long_done and short_ttft < long_elapsed
+
+
+def test_calibration_through_the_endpoint_measures_both_replicas_curves(endpoint):
+    """`swiftkv fleet calibrate-serve`'s measurement on this real endpoint: bursts of fresh prompts
+    through Serve (every request answered with exactly the tokens asked, or it raises), prefill rates
+    by length and decode steps by batch and context, all positive."""
+    from swiftkv.fleet.serve_profile import Burst, ServeCalibration, measure
+
+    cal = ServeCalibration(input_lens=[16, 256], batches=[1, 4], decode_contexts=[64], decode_context_tokens=16,
+                           num_prompts=1, decode_tokens=8, rounds=1)
+    curves = measure(Burst(endpoint.url, "routed", 180), 2, cal, timed=True)
+    assert set(curves["prefill_tokens_per_s_by_input_len"]) == {16, 256}
+    assert all(v > 0 for v in curves["prefill_tokens_per_s_by_input_len"].values())
+    steps = curves["decode_step_s_by_batch"]
+    assert set(steps) == {1, 4} and steps[1] > 0 and curves["decode_step_s_by_context"][64] > 0
+    assert curves["decode_context_batch"] == 4
 
 
 def _replica_pids(deployment: str) -> list[int]:

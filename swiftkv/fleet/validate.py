@@ -75,7 +75,7 @@ class ValidateConfig(StrictConfig):
     """Folder (or fsspec URI) for ``validation.json``."""
 
 
-def _served_name(cfg: ValidateConfig) -> str:
+def served_name(cfg: ValidateConfig) -> str:
     tree = read_yaml_mapping(cfg.serve_config)
     apps = tree.get("applications") or [{"args": tree}]
     return apps[0]["args"]["models"][0]["name"]
@@ -135,7 +135,7 @@ def run_validate(cfg: ValidateConfig, profile: Profile) -> dict[str, Any]:
     figures = profile.figures(cfg.model)
     tokenizer_vocab = 32000
     with serving(cfg, figures.prefill_tokens_per_s) as url:
-        model = _served_name(cfg)
+        model = served_name(cfg)
         if cfg.warmup_requests:
             replay(url, model, window(trace, limit=cfg.warmup_requests), tokenizer_vocab, cfg.request_timeout_s,
                    warmup=True)

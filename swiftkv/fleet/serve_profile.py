@@ -1,0 +1,135 @@
+"""``swiftkv fleet calibrate-serve``: a variant's timing curves measured through the running
+``swiftkv serve`` endpoint instead of a bare engine.
+
+``swiftkv calibrate`` times vLLM engines in Ray tasks. Where Serve's own processes (HTTP proxy,
+ingress, the replica actors' output streaming) share the replicas' CPUs, as on a small CPU host,
+the replicas behind the endpoint run slower than those engines, and a profile measured outside
+Serve makes the simulator's replicas too fast. Here the same figures are measured with requests of
+fixed shapes sent through the endpoint the validation replays against (same deployment, router and
+replica count), each batch spread over every replica at once:
+
+- prefill: ``num_prompts`` prompts per replica of each length, one output token each, sent
+  together; uncached prompt tokens/s per replica from the time to the last response;
+- decode: ``batch`` sequences per replica, sent together twice, with 1 and with
+  ``1 + decode_tokens`` output tokens; the difference over ``decode_tokens`` is one step.
+
+Every prompt starts with a block no other request has, so the prefix cache never helps. The
+engine's limits (KV capacity, token budget, sequence cap, start-up time) are not timing and are
+kept from the engine profile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from typing import Any
+
+from pydantic import Field
+
+from swiftkv.fleet.profile import ModelFigures, Profile
+from swiftkv.fleet.replay import replay
+from swiftkv.fleet.trace import Trace, TraceRequest
+from swiftkv.fleet.validate import ValidateConfig, served_name, serving
+from swiftkv.yaml_config import StrictConfig
+
+PROMPT_VOCAB = 32000  # token ids drawn below this (every bundled and served vocabulary is larger)
+
+
+class ServeCalibration(StrictConfig):
+    """What to measure through the endpoint."""
+
+    input_lens: list[int] = Field(default=[32, 128, 512, 1536], min_length=1)
+    """Prompt lengths of the prefill points (the longest gives ``prefill_tokens_per_s``)."""
+
+    batches: list[int] = Field(default=[1, 4, 8], min_length=1)
+    """Sequences per replica of the decode points (``decode_context_tokens`` of context each)."""
+
+    decode_contexts: list[int] = Field(default=[128, 1024], min_length=1)
+    """Context lengths of the decode points at the largest batch."""
+
+    decode_context_tokens: int = Field(default=128, gt=0)
+    """Context of the by-batch decode points."""
+
+    num_prompts: int = Field(default=2, gt=0)
+    """Prompts per replica in each prefill point."""
+
+    decode_tokens: int = Field(default=16, gt=0)
+    """Extra output tokens timed for a decode point."""
+
+    rounds: int = Field(default=2, gt=0)
+    """Repetitions of each point (medians kept), after one untimed pass over every shape."""
+
+
+class Burst:
+    """Sends batches of fresh prompts (a new first block each) through the endpoint at once."""
+
+    def __init__(self, url: str, model: str, timeout_s: float) -> None:
+        self.url, self.model, self.timeout_s = url, model, timeout_s
+        self.blocks = itertools.count(10**12)  # beyond any trace's block ids
+
+    def seconds(self, requests: int, input_tokens: int, output_tokens: int) -> float:
+        """Wall seconds from sending ``requests`` prompts together to the last one's end."""
+        block_tokens = 16
+        blocks = -(-input_tokens // block_tokens)
+        trace = Trace(tuple(TraceRequest(0.0, input_tokens, output_tokens,
+                                         tuple(next(self.blocks) for _ in range(blocks)))
+                            for _ in range(requests)), block_tokens)
+        records = replay(self.url, self.model, trace, PROMPT_VOCAB, self.timeout_s)
+        failed = [r["error"] for r in records if r["latency_s"] is None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {requests} calibration requests failed: {failed[0]}")
+        short = [r for r in records if r["output_tokens"] != output_tokens]
+        if short:
+            raise RuntimeError(f"{len(short)} requests returned {short[0]['output_tokens']} tokens, not "
+                               f"{output_tokens} (ignore_eos must hold)")
+        return max(r["sent_s"] + r["latency_s"] for r in records) - min(r["sent_s"] for r in records)
+
+
+def measure(burst: Burst, replicas: int, cal: ServeCalibration, timed: bool) -> dict[str, Any]:
+    """One pass over every point (``timed`` False: the warm-up, results unused)."""
+    rounds = cal.rounds if timed else 1
+    prefill = {n: statistics.median([cal.num_prompts * n / burst.seconds(replicas * cal.num_prompts, n, 1)
+                          for _ in range(rounds)]) for n in sorted(cal.input_lens)}
+
+    def step_s(batch: int, context: int) -> float:
+        steps = []
+        for _ in range(rounds):
+            one = burst.seconds(replicas * batch, context, 1)
+            more = burst.seconds(replicas * batch, context, 1 + cal.decode_tokens)
+            steps.append(max(more - one, 0.0) / cal.decode_tokens)
+        return statistics.median(steps)
+
+    by_batch = {b: step_s(b, cal.decode_context_tokens) for b in sorted(cal.batches)}
+    context_batch = max(cal.batches)
+    by_context = {c: step_s(context_batch, c) for c in sorted(cal.decode_contexts)}
+    return {"prefill_tokens_per_s_by_input_len": prefill, "decode_step_s_by_batch": by_batch,
+            "decode_step_s_by_context": by_context, "decode_context_batch": context_batch}
+
+
+def serve_figures(base: ModelFigures, curves: dict[str, Any], cal: ServeCalibration,
+                  cfg: ValidateConfig) -> ModelFigures:
+    """``base`` (the engine profile's figures) with its timing curves replaced by those measured
+    through the endpoint; its engine limits and start-up time kept."""
+    prefill = curves["prefill_tokens_per_s_by_input_len"]
+    return ModelFigures.model_validate({
+        **base.model_dump(), **curves, "prefill_tokens_per_s": prefill[max(prefill)],
+        "decode_context_tokens": cal.decode_context_tokens, "num_prompts": cal.num_prompts,
+        "rounds": cal.rounds, "side_by_side": cfg.replicas,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "notes": f"timing measured through swiftkv serve ({cfg.serve_config}, {cfg.replicas} replicas, "
+                 f"router {cfg.fleet.routing.router}); engine limits and start-up from the engine profile",
+    })
+
+
+def calibrate_through_serve(cfg: ValidateConfig, engine_profile: Profile, cal: ServeCalibration) -> Profile:
+    """Start the validation's endpoint, measure ``cfg.model``'s curves through it, stop it: a
+    one-variant profile."""
+    base = engine_profile.figures(cfg.model)
+    with serving(cfg, base.prefill_tokens_per_s) as url:
+        burst = Burst(url, served_name(cfg), cfg.request_timeout_s)
+        print(f"warm-up pass over every shape through {url}", flush=True)
+        measure(burst, cfg.replicas, cal, timed=False)
+        print(f"measuring ({cal.rounds} rounds)", flush=True)
+        curves = measure(burst, cfg.replicas, cal, timed=True)
+    return Profile(source="swiftkv fleet calibrate-serve", models={cfg.model: serve_figures(base, curves, cal, cfg)})
