@@ -55,15 +55,18 @@ def packed_batches(tokenizer, seq_len: int, batch_size: int, count: int) -> list
 
 
 class SavedBytes:
-    """Bytes of the distinct tensors autograd saves for backward while open."""
+    """Bytes of the distinct storages autograd saves for backward while open. Each storage is held
+    until the measurement ends: the chunked loss frees a chunk's graph before the next, and an
+    address the allocator hands out again must not count two storages as one (which made the figure
+    vary by a chunk's logits from step to step)."""
 
     def __init__(self) -> None:
-        self.seen: dict[tuple[int, int], int] = {}
+        self.seen: dict[tuple[int, int], torch.UntypedStorage] = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        self.seen[(storage.data_ptr(), tensor.device.index or 0)] = storage.nbytes()
+        self.seen[(storage.data_ptr(), tensor.device.index or 0)] = storage
         return tensor
 
     def __enter__(self) -> SavedBytes:
@@ -75,7 +78,7 @@ class SavedBytes:
 
     @property
     def total(self) -> int:
-        return sum(self.seen.values())
+        return sum(storage.nbytes() for storage in self.seen.values())
 
 
 def model_path(name: str, work: Path) -> str:
