@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -55,18 +56,23 @@ def packed_batches(tokenizer, seq_len: int, batch_size: int, count: int) -> list
 
 
 class SavedBytes:
-    """Bytes of the distinct storages autograd saves for backward while open. Each storage is held
-    until the measurement ends: the chunked loss frees a chunk's graph before the next, and an
-    address the allocator hands out again must not count two storages as one (which made the figure
-    vary by a chunk's logits from step to step)."""
+    """Bytes of the distinct storages autograd saves for backward while open. A storage is known by
+    its address while a tensor saved from it lives: the chunked loss frees a chunk's graph before
+    the next, and an address the allocator hands out again is a new storage, not one seen before
+    (counting it once made the figure vary by a chunk's logits from step to step)."""
 
     def __init__(self) -> None:
-        self.seen: dict[tuple[int, int], torch.UntypedStorage] = {}
+        self.total = 0
+        self._seen: dict[tuple[int, int], weakref.ref] = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        self.seen[(storage.data_ptr(), tensor.device.index or 0)] = storage
+        key = (storage.data_ptr(), tensor.device.index or 0)
+        known = self._seen.get(key)
+        if known is None or known() is None:
+            self.total += storage.nbytes()
+            self._seen[key] = weakref.ref(tensor)
         return tensor
 
     def __enter__(self) -> SavedBytes:
@@ -75,10 +81,6 @@ class SavedBytes:
 
     def __exit__(self, *exc) -> None:
         self.hooks.__exit__(*exc)
-
-    @property
-    def total(self) -> int:
-        return sum(storage.nbytes() for storage in self.seen.values())
 
 
 def model_path(name: str, work: Path) -> str:

@@ -65,7 +65,8 @@ class PrefillRouterCore:
         self.config = config
         self.clock = clock
         self._sent: dict[Hashable, deque[list[float]]] = {}  # replica -> [time, tokens] entries
-        self._by_request: OrderedDict[Hashable, tuple[Hashable, list[float]]] = OrderedDict()  # its entry
+        # request -> (replica, its entry in _sent): counted at its first choice, not yet confirmed
+        self._tentative: OrderedDict[Hashable, tuple[Hashable, list[float]]] = OrderedDict()
         self._prefix_owner: OrderedDict[int, Hashable] = OrderedDict()
 
     def _cached_blocks(self, hint: PromptHint) -> dict[Hashable, int]:
@@ -116,38 +117,36 @@ class PrefillRouterCore:
 
     def record_sent(self, replica: Hashable, hint: PromptHint, request: Hashable | None = None) -> None:
         """Count ``hint``'s tokens against ``replica`` and make it the owner of the prompt's prefix.
-        ``request``: a key of the request; recording it again moves its count (no-op on the same
-        replica), so a request counted at its first choice and then sent elsewhere counts once."""
+        With ``request`` (a key) the count is tentative until :meth:`confirm` or :meth:`withdraw`."""
         now = self.clock()
-        if request is not None:
-            previous = self._by_request.pop(request, None)
-            if previous is not None:
-                if previous[0] == replica:
-                    self._by_request[request] = previous
-                    return
-                previous[1][1] = 0.0  # counted at its first choice; it went elsewhere
-            while self._by_request and next(iter(self._by_request.values()))[1][0] < now - self.config.sent_memory_s:
-                self._by_request.popitem(last=False)  # never settled (cancelled, failed): let go
         entry = [now, hint.prompt_tokens]
         self._sent.setdefault(replica, deque()).append(entry)
         if request is not None:
-            self._by_request[request] = (replica, entry)
+            stale = now - self.config.sent_memory_s
+            while self._tentative and next(iter(self._tentative.values()))[1][0] < stale:
+                self._tentative.popitem(last=False)  # never confirmed (cancelled, failed): let go
+            self._tentative[request] = (replica, entry)
         for block in hint.prefix_blocks:
             self._prefix_owner[block] = replica
             self._prefix_owner.move_to_end(block)
         while len(self._prefix_owner) > self.config.max_prefix_blocks:
             self._prefix_owner.popitem(last=False)
 
-    def settle(self, request: Hashable | None) -> None:
-        """``request`` is where it stays: its count can no longer move."""
-        self._by_request.pop(request, None)
+    def withdraw(self, request: Hashable | None) -> Hashable | None:
+        """Take back ``request``'s tentative count; the replica it was on, if any."""
+        replica, entry = self._tentative.pop(request, (None, None))
+        if entry is not None:
+            entry[1] = 0.0
+        return replica
 
-    def withdraw(self, request: Hashable | None) -> None:
-        """Take back ``request``'s count (it is being ranked again: it must not weigh on its own
-        choice)."""
-        previous = self._by_request.pop(request, None)
-        if previous is not None:
-            previous[1][1] = 0.0
+    def confirm(self, request: Hashable | None, replica: Hashable, hint: PromptHint) -> None:
+        """``request`` went to ``replica``: its tentative count stays if it was counted there, and
+        moves there otherwise."""
+        if self._tentative.get(request, (None,))[0] == replica:
+            del self._tentative[request]
+        else:
+            self.withdraw(request)
+            self.record_sent(replica, hint)
 
     def forget_replicas(self, alive: set[Hashable]) -> None:
         for replica in [r for r in self._sent if r not in alive]:
@@ -186,7 +185,7 @@ class PrefillAwareRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         by_id = {r.replica_id: r for r in candidate_replicas}
         hint, key = request_hint(pending_request), _request_key(pending_request)
-        self.core.withdraw(key)  # a retry: ranked as if it had not been counted yet
+        self.core.withdraw(key)  # ranked again (a retry): not weighed down by its own count
         ranked = self.core.rank(
             [(r.replica_id, ReplicaLoad.from_metrics(r.routing_stats)) for r in candidate_replicas], hint)
         # Serve calls on_request_routed only once the replica has accepted the request, a round trip
@@ -198,9 +197,7 @@ class PrefillAwareRouter(RequestRouter):
         return [[by_id[r]] for r in ranked]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
-        key = _request_key(pending_request)
-        self.core.record_sent(replica_id, request_hint(pending_request), key)
-        self.core.settle(key)
+        self.core.confirm(_request_key(pending_request), replica_id, request_hint(pending_request))
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)

@@ -198,15 +198,15 @@ def test_calibration_output_is_a_profile(tmp_path):
 
 
 def test_a_profile_measured_through_serve_keeps_the_engine_limits_and_round_trips(tmp_path):
-    from swiftkv.fleet.serve_profile import ServeCalibration, serve_figures
+    from swiftkv.fleet.serve_profile import serve_figures
     from swiftkv.fleet.validate import ValidateConfig
 
     engine = load_profile(PROFILES / "cpu-smollm2.json").figures("swiftkv-50")
-    cfg = ValidateConfig(traffic=TrafficConfig(trace="unused.jsonl"), profile="unused.json", replicas=2)
-    cal = ServeCalibration(input_lens=[32, 1536], batches=[1, 8], decode_contexts=[1024])
+    cfg = ValidateConfig(traffic=TrafficConfig(trace="unused.jsonl"), profile="unused.json", replicas=2,
+                         calibration={"input_lens": [32, 1536], "batches": [1, 8], "decode_contexts": [1024]})
     curves = {"prefill_tokens_per_s_by_input_len": {32: 120.0, 1536: 300.0}, "decode_step_s_by_batch": {1: 0.1, 8: 0.2},
               "decode_step_s_by_context": {1024: 0.3}, "decode_context_batch": 8}
-    figures = serve_figures(engine, curves, cal, cfg)
+    figures = serve_figures(engine, curves, cfg)
     assert figures.prefill_tokens_per_s == 300.0 and figures.decode_step_s_by_batch == {1: 0.1, 8: 0.2}
     assert figures.decode_step_s_by_context == {1024: 0.3} and figures.decode_context_batch == 8
     assert (figures.kv_cache_tokens, figures.max_num_batched_tokens, figures.startup_s) == (

@@ -209,9 +209,9 @@ def test_a_request_sent_elsewhere_than_its_first_choice_counts_once(core):
     core, _ = core
     hint = ids_prompt(700)
     core.record_sent("r1", hint, "req")  # ranked first (then full, say)
-    core.record_sent("r1", hint, "req")  # ranked first again on a retry: still once
-    core.record_sent("r2", hint, "req")  # Serve sent it to the second rank
-    core.settle("req")
+    core.withdraw("req")  # ranked again on a retry...
+    core.record_sent("r1", hint, "req")  # ...first again: still counted once
+    core.confirm("req", "r2", hint)  # Serve sent it to the second rank
     assert core._sent_since("r1", 0.0, core.clock()) == 0 and core._sent_since("r2", 0.0, core.clock()) == 700
     assert core.rank([("r1", waiting(0, at=0.0)), ("r2", waiting(0, at=0.0))], hint)[0] == "r2"  # its prefix
 

@@ -67,11 +67,12 @@ def test_calibration_through_the_endpoint_measures_both_replicas_curves(endpoint
     """`swiftkv fleet calibrate-serve`'s measurement on this real endpoint: bursts of fresh prompts
     through Serve (every request answered with exactly the tokens asked, or it raises), prefill rates
     by length and decode steps by batch and context, all positive."""
-    from swiftkv.fleet.serve_profile import Burst, ServeCalibration, measure
+    from swiftkv.fleet.config import ServeCalibration
+    from swiftkv.fleet.serve_profile import Burst, measure
 
     cal = ServeCalibration(input_lens=[16, 256], batches=[1, 4], decode_contexts=[64], decode_context_tokens=16,
                            num_prompts=1, decode_tokens=8, rounds=1)
-    curves = measure(Burst(endpoint.url, "routed", 180), 2, cal, timed=True)
+    curves = measure(Burst(endpoint.url, "routed", 180), 2, cal, rounds=1)
     assert set(curves["prefill_tokens_per_s_by_input_len"]) == {16, 256}
     assert all(v > 0 for v in curves["prefill_tokens_per_s_by_input_len"].values())
     steps = curves["decode_step_s_by_batch"]

@@ -33,16 +33,14 @@ def add_parser(subparsers) -> None:
     serve_cal = actions.add_parser(
         "calibrate-serve", help="measure a variant's prefill/decode curves through the validation's own endpoint",
         description="Start the `swiftkv serve` endpoint of a ValidateConfig (same deployment, router and replicas), "
-        "send prompts of fixed shapes through it (each batch spread over every replica) and write a one-variant "
-        "profile: prefill tokens/s by length and decode step time by batch and context as the replicas run "
-        "behind Serve, whose proxy, ingress and streaming share their CPUs on a small host. Engine limits and "
-        "start-up time are kept from the config's engine profile (`swiftkv calibrate`).")
+        "send prompts of fixed shapes through it (each batch spread over every replica; what is measured: the "
+        "config's `calibration` section) and write a one-variant profile: prefill tokens/s by length and decode "
+        "step time by batch and context as the replicas run behind Serve, whose proxy, ingress and streaming "
+        "share their CPUs on a small host. Engine limits and start-up time are kept from the config's engine "
+        "profile (`swiftkv calibrate`).")
     serve_cal.add_argument("--config", required=True, help="the ValidateConfig YAML whose endpoint is measured")
     serve_cal.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                           help="override a ValidateConfig key, dotted; repeatable")
-    serve_cal.add_argument("--calibration", action="append", default=[], metavar="KEY=VALUE",
-                           help="a ServeCalibration setting (input_lens, batches, decode_contexts, "
-                           "decode_context_tokens, num_prompts, decode_tokens, rounds), e.g. batches=[1,4,8]")
+                           help="override a config key, dotted (e.g. calibration.batches=[1,4,8]); repeatable")
     serve_cal.add_argument("--out", required=True, help="profile to write (JSON)")
     serve_cal.set_defaults(func=run)
     derive = actions.add_parser("derive-h100", help="derive the H100 profile from the paper's figures",
@@ -66,13 +64,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: paper {figures['paper']:,.0f}, simulated {figures['simulated']:,.0f}")
         print(f"wrote {args.out}")
     elif args.action == "calibrate-serve":
-        from swiftkv.fleet.serve_profile import ServeCalibration, calibrate_through_serve
+        from swiftkv.fleet.serve_profile import calibrate_through_serve
         from swiftkv.fleet.validate import ValidateConfig
-        from swiftkv.yaml_config import parse_config
 
         cfg = load_config(ValidateConfig, args.config, args.set, what="fleet validate config")
-        cal = parse_config(ServeCalibration, {}, args.calibration, what="--calibration")
-        profile = calibrate_through_serve(cfg, load_profile(cfg.profile), cal)
+        profile = calibrate_through_serve(cfg, load_profile(cfg.profile))
         save_profile(profile, args.out)
         print(json.dumps(profile.model_dump(mode="json", exclude_defaults=True), indent=1))
         print(f"wrote {args.out}")

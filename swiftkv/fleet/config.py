@@ -140,3 +140,28 @@ class SimulateConfig(StrictConfig):
 
     out: str = "artifacts/fleet/simulate"
     """Folder (or fsspec URI) for ``results.json`` and ``timeline.png``."""
+
+
+class ServeCalibration(StrictConfig):
+    """What ``swiftkv fleet calibrate-serve`` measures through a validation's endpoint."""
+
+    input_lens: list[int] = Field(default=[32, 128, 512, 1536], min_length=1)
+    """Prompt lengths of the prefill points (the longest gives ``prefill_tokens_per_s``)."""
+
+    batches: list[int] = Field(default=[1, 4, 8], min_length=1)
+    """Sequences per replica of the decode points (``decode_context_tokens`` of context each)."""
+
+    decode_contexts: list[int] = Field(default=[128, 1024], min_length=1)
+    """Context lengths of the decode points at the largest batch."""
+
+    decode_context_tokens: int = Field(default=128, gt=0)
+    """Context of the by-batch decode points."""
+
+    num_prompts: int = Field(default=2, gt=0)
+    """Prompts per replica in each prefill point."""
+
+    decode_tokens: int = Field(default=16, gt=0)
+    """Extra output tokens timed for a decode point."""
+
+    rounds: int = Field(default=2, gt=0)
+    """Repetitions of each point (medians kept), after one untimed pass over every shape."""

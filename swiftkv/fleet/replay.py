@@ -17,6 +17,7 @@ from typing import Any
 from swiftkv.fleet.trace import Trace, TraceRequest
 
 FIRST_TOKEN_ID = 10  # below this, special tokens in most vocabularies
+PROMPT_VOCAB = 32000  # prompt ids drawn below this: every model served here has a larger vocabulary
 
 
 def prompt_ids(request: TraceRequest, index: int, block_tokens: int, vocab: int) -> list[int]:

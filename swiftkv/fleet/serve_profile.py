@@ -25,40 +25,13 @@ import statistics
 import time
 from typing import Any
 
-from pydantic import Field
-
+from swiftkv.fleet.config import ServeCalibration
 from swiftkv.fleet.profile import ModelFigures, Profile
-from swiftkv.fleet.replay import replay
+from swiftkv.fleet.replay import PROMPT_VOCAB, replay
 from swiftkv.fleet.trace import Trace, TraceRequest
 from swiftkv.fleet.validate import ValidateConfig, served_name, serving
-from swiftkv.yaml_config import StrictConfig
 
-PROMPT_VOCAB = 32000  # token ids drawn below this (every bundled and served vocabulary is larger)
-
-
-class ServeCalibration(StrictConfig):
-    """What to measure through the endpoint."""
-
-    input_lens: list[int] = Field(default=[32, 128, 512, 1536], min_length=1)
-    """Prompt lengths of the prefill points (the longest gives ``prefill_tokens_per_s``)."""
-
-    batches: list[int] = Field(default=[1, 4, 8], min_length=1)
-    """Sequences per replica of the decode points (``decode_context_tokens`` of context each)."""
-
-    decode_contexts: list[int] = Field(default=[128, 1024], min_length=1)
-    """Context lengths of the decode points at the largest batch."""
-
-    decode_context_tokens: int = Field(default=128, gt=0)
-    """Context of the by-batch decode points."""
-
-    num_prompts: int = Field(default=2, gt=0)
-    """Prompts per replica in each prefill point."""
-
-    decode_tokens: int = Field(default=16, gt=0)
-    """Extra output tokens timed for a decode point."""
-
-    rounds: int = Field(default=2, gt=0)
-    """Repetitions of each point (medians kept), after one untimed pass over every shape."""
+BLOCK_TOKENS = 16  # prompt blocks of the calibration's requests (each request's first one is new)
 
 
 class Burst:
@@ -70,11 +43,10 @@ class Burst:
 
     def seconds(self, requests: int, input_tokens: int, output_tokens: int) -> float:
         """Wall seconds from sending ``requests`` prompts together to the last one's end."""
-        block_tokens = 16
-        blocks = -(-input_tokens // block_tokens)
+        blocks = -(-input_tokens // BLOCK_TOKENS)
         trace = Trace(tuple(TraceRequest(0.0, input_tokens, output_tokens,
                                          tuple(next(self.blocks) for _ in range(blocks)))
-                            for _ in range(requests)), block_tokens)
+                            for _ in range(requests)), BLOCK_TOKENS)
         records = replay(self.url, self.model, trace, PROMPT_VOCAB, self.timeout_s)
         failed = [r["error"] for r in records if r["latency_s"] is None]
         if failed:
@@ -86,11 +58,11 @@ class Burst:
         return max(r["sent_s"] + r["latency_s"] for r in records) - min(r["sent_s"] for r in records)
 
 
-def measure(burst: Burst, replicas: int, cal: ServeCalibration, timed: bool) -> dict[str, Any]:
-    """One pass over every point (``timed`` False: the warm-up, results unused)."""
-    rounds = cal.rounds if timed else 1
-    prefill = {n: statistics.median([cal.num_prompts * n / burst.seconds(replicas * cal.num_prompts, n, 1)
-                          for _ in range(rounds)]) for n in sorted(cal.input_lens)}
+def measure(burst: Burst, replicas: int, cal: ServeCalibration, rounds: int) -> dict[str, Any]:
+    """Every point, each the median of ``rounds`` measurements."""
+    prefill = {n: statistics.median(cal.num_prompts * n / burst.seconds(replicas * cal.num_prompts, n, 1)
+                                    for _ in range(rounds))
+               for n in sorted(cal.input_lens)}
 
     def step_s(batch: int, context: int) -> float:
         steps = []
@@ -107,11 +79,10 @@ def measure(burst: Burst, replicas: int, cal: ServeCalibration, timed: bool) -> 
             "decode_step_s_by_context": by_context, "decode_context_batch": context_batch}
 
 
-def serve_figures(base: ModelFigures, curves: dict[str, Any], cal: ServeCalibration,
-                  cfg: ValidateConfig) -> ModelFigures:
+def serve_figures(base: ModelFigures, curves: dict[str, Any], cfg: ValidateConfig) -> ModelFigures:
     """``base`` (the engine profile's figures) with its timing curves replaced by those measured
     through the endpoint; its engine limits and start-up time kept."""
-    prefill = curves["prefill_tokens_per_s_by_input_len"]
+    prefill, cal = curves["prefill_tokens_per_s_by_input_len"], cfg.calibration
     return ModelFigures.model_validate({
         **base.model_dump(), **curves, "prefill_tokens_per_s": prefill[max(prefill)],
         "decode_context_tokens": cal.decode_context_tokens, "num_prompts": cal.num_prompts,
@@ -122,14 +93,15 @@ def serve_figures(base: ModelFigures, curves: dict[str, Any], cal: ServeCalibrat
     })
 
 
-def calibrate_through_serve(cfg: ValidateConfig, engine_profile: Profile, cal: ServeCalibration) -> Profile:
-    """Start the validation's endpoint, measure ``cfg.model``'s curves through it, stop it: a
-    one-variant profile."""
+def calibrate_through_serve(cfg: ValidateConfig, engine_profile: Profile) -> Profile:
+    """Start the validation's endpoint, measure ``cfg.model``'s curves through it (``cfg.calibration``),
+    stop it: a one-variant profile."""
+    cal = cfg.calibration
     base = engine_profile.figures(cfg.model)
     with serving(cfg, base.prefill_tokens_per_s) as url:
         burst = Burst(url, served_name(cfg), cfg.request_timeout_s)
         print(f"warm-up pass over every shape through {url}", flush=True)
-        measure(burst, cfg.replicas, cal, timed=False)
+        measure(burst, cfg.replicas, cal, rounds=1)
         print(f"measuring ({cal.rounds} rounds)", flush=True)
-        curves = measure(burst, cfg.replicas, cal, timed=True)
-    return Profile(source="swiftkv fleet calibrate-serve", models={cfg.model: serve_figures(base, curves, cal, cfg)})
+        curves = measure(burst, cfg.replicas, cal, cal.rounds)
+    return Profile(source="swiftkv fleet calibrate-serve", models={cfg.model: serve_figures(base, curves, cfg)})

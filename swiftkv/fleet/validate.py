@@ -21,9 +21,9 @@ from typing import Any
 from pydantic import Field
 
 from serve_apps.load import percentile
-from swiftkv.fleet.config import FleetConfig, FleetSettings, TrafficConfig
+from swiftkv.fleet.config import FleetConfig, FleetSettings, ServeCalibration, TrafficConfig
 from swiftkv.fleet.profile import Profile
-from swiftkv.fleet.replay import replay
+from swiftkv.fleet.replay import PROMPT_VOCAB, replay
 from swiftkv.fleet.results import summarize
 from swiftkv.fleet.simulator import simulate
 from swiftkv.fleet.trace import window
@@ -73,6 +73,9 @@ class ValidateConfig(StrictConfig):
 
     out: str = "artifacts/fleet/validate"
     """Folder (or fsspec URI) for ``validation.json``."""
+
+    calibration: ServeCalibration = ServeCalibration()
+    """What ``swiftkv fleet calibrate-serve`` measures through this endpoint."""
 
 
 def served_name(cfg: ValidateConfig) -> str:
@@ -133,14 +136,13 @@ def _figures(ttfts: list[float | None], outputs: list[int], ends: list[float]) -
 def run_validate(cfg: ValidateConfig, profile: Profile) -> dict[str, Any]:
     trace = cfg.traffic.build()
     figures = profile.figures(cfg.model)
-    tokenizer_vocab = 32000
     with serving(cfg, figures.prefill_tokens_per_s) as url:
         model = served_name(cfg)
         if cfg.warmup_requests:
-            replay(url, model, window(trace, limit=cfg.warmup_requests), tokenizer_vocab, cfg.request_timeout_s,
+            replay(url, model, window(trace, limit=cfg.warmup_requests), PROMPT_VOCAB, cfg.request_timeout_s,
                    warmup=True)
         t0 = time.time()
-        measured = replay(url, model, trace, tokenizer_vocab, cfg.request_timeout_s)
+        measured = replay(url, model, trace, PROMPT_VOCAB, cfg.request_timeout_s)
         wall_s = time.time() - t0
     real = _figures([m["ttft_s"] for m in measured], [m["output_tokens"] or 0 for m in measured],
                     [m["sent_s"] + (m["latency_s"] or 0) for m in measured])
