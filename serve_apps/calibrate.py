@@ -78,14 +78,19 @@ def measure_replica(options: ModelOptions, input_lens: list[int], batches: list[
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
+    from serve_apps.model_server import served_engine_config
     from swiftkv.model_source import resolve_model
     from swiftkv.vllm.lifecycle import shutdown_llm
 
     engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
     kwargs = {k: v for k, v in options.engine_kwargs.items() if k in engine_fields}
-    kwargs.update(enable_prefix_caching=False,
-                  additional_config={"swiftkv": {"prefill_skipping": options.prefill_skipping}})
     path = resolve_model(options.model)
+    # The replica's scheduler limits, not the offline LLM class's defaults (on CPU twice the tokens
+    # per step): the figures are of the engine the replica runs.
+    served = served_engine_config(options, path)[1].scheduler_config
+    kwargs.update(enable_prefix_caching=False, max_num_batched_tokens=served.max_num_batched_tokens,
+                  max_num_seqs=served.max_num_seqs,
+                  additional_config={"swiftkv": {"prefill_skipping": options.prefill_skipping}})
     start = time.perf_counter()
     llm = LLM(model=path, **kwargs)
     startup_s = time.perf_counter() - start

@@ -17,12 +17,16 @@ import logging
 import time
 from argparse import Namespace
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from ray import serve
 
 from serve_apps.asgi import ForwardedRequest, ResponseStart, call_asgi
 from serve_apps.config import ModelOptions
 from serve_apps.load import LoadTracker, ReplicaLoad
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 log = logging.getLogger("ray.serve")
 
@@ -55,13 +59,23 @@ def vllm_server_args(options: ModelOptions, model_path: str) -> Namespace:
     return args
 
 
+def served_engine_config(options: ModelOptions, model_path: str) -> tuple[Namespace, VllmConfig]:
+    """The ``vllm serve`` arguments and the engine config a replica runs with: vLLM's server
+    defaults, which differ from its offline ``LLM`` class's (on CPU 2,048 tokens per step and 128
+    sequences instead of 4,096 and 256)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    args = vllm_server_args(options, model_path)
+    return args, AsyncEngineArgs.from_cli_args(args).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+
+
 @serve.deployment
 class ModelServer:
     """The Serve deployment class behind every model (``serve_apps.app`` names one per model)."""
 
     async def __init__(self, options: ModelOptions) -> None:
         from ray.util.metrics import Gauge
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.app import build_app
         from vllm.usage.usage_lib import UsageContext
@@ -74,10 +88,8 @@ class ModelServer:
         self.options = options
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         path = await asyncio.to_thread(resolve_model, options.model)
-        args = vllm_server_args(options, path)
         log.info("model %s: starting vLLM on %s", options.name, path)
-        engine_args = AsyncEngineArgs.from_cli_args(args)
-        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        args, vllm_config = served_engine_config(options, path)
         self.tracker = LoadTracker(options.prefill_tokens_per_s)
         self.engine = AsyncLLM.from_vllm_config(
             vllm_config,

@@ -61,6 +61,18 @@ def test_prompts_finishing_in_one_step_get_their_first_tokens_together():
     assert [r.first_token_s for r in result.requests] == pytest.approx([0.3, 0.9, 0.9, 1.0])
 
 
+def test_the_front_end_passes_a_burst_one_request_at_a_time():
+    """The same burst through a front end of 0.1 s per request plus 0.05 s: the first prompt reaches
+    the replica at 0.15 s and runs alone (to 0.45 s); the second (at 0.25 s) and third (at 0.35 s)
+    share the next step (0.6 s, to 1.05 s); one arriving at 0.5 s, the front end free again, reaches
+    it at 0.65 s and waits for that step's end. TTFTs count from arrival."""
+    burst = [TraceRequest(0.0, 300, 1, blocks(10 * i, 3)) for i in range(3)] + [TraceRequest(0.5, 100, 1, (99,))]
+    result = run(burst, {"static_replicas": 1, "ingress_s": 0.1, "ingress_latency_s": 0.05}, budget=4096)
+    assert [r.first_token_s for r in result.requests] == pytest.approx([0.45, 1.05, 1.05, 1.15])
+    assert [r.routed_s for r in result.requests] == pytest.approx([0.15, 0.25, 0.35, 0.65])
+    assert result.requests[3].ttft_s == pytest.approx(0.65)
+
+
 def test_queued_prompts_wait_their_turn_and_a_cached_prefix_is_not_recomputed():
     a = TraceRequest(0.0, 1000, 1, blocks(0, 10))
     b = TraceRequest(0.5, 500, 1, blocks(50, 5))  # arrives while the first prefills: waits 0.5 s
@@ -266,6 +278,17 @@ def test_bad_input_is_named(tmp_path):
         Profile(models={"m": figures()}).figures("large")
     with pytest.raises(ValueError, match="exactly one of trace"):
         TrafficConfig()
+
+
+def test_a_validation_without_measure_needs_a_profile():
+    from swiftkv.fleet.validate import ValidateConfig, simulation_inputs
+
+    cfg = ValidateConfig(traffic=TrafficConfig(trace="unused.jsonl"), measure=None)
+    with pytest.raises(ValueError, match="needs `profile` when `measure` is null"):
+        simulation_inputs(cfg)
+    given = ValidateConfig(traffic=TrafficConfig(trace="unused.jsonl"), measure=None,
+                           profile=str(PROFILES / "cpu-smollm2.json"))
+    assert simulation_inputs(given) == load_profile(PROFILES / "cpu-smollm2.json")
 
 
 def test_the_cli_names_a_bad_config_key(tmp_path, capsys):

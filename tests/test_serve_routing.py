@@ -2,13 +2,14 @@
 prefill cost on CPU). The prefill-aware router prefers an idle replica over one with a long prompt
 queued, and a replica killed by its pid under a bounded load is replaced by Serve while the other
 keeps answering, every request ending answered or refused with a status; the through-Serve
-calibration measures on it."""
+calibration and the validation's front-end measurement measure on it."""
 
 from __future__ import annotations
 
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 
 import openai
 import psutil
@@ -68,7 +69,8 @@ def test_calibration_through_the_endpoint_measures_both_replicas_curves(endpoint
     through Serve (every request answered with exactly the tokens asked, or it raises), prefill rates
     by length and decode steps by batch and context, all positive."""
     from swiftkv.fleet.config import ServeCalibration
-    from swiftkv.fleet.serve_profile import Burst, measure
+    from swiftkv.fleet.replay import Burst
+    from swiftkv.fleet.serve_profile import measure
 
     cal = ServeCalibration(input_lens=[16, 256], batches=[1, 4], decode_contexts=[64], decode_context_tokens=16,
                            num_prompts=1, decode_tokens=8, rounds=1)
@@ -78,6 +80,25 @@ def test_calibration_through_the_endpoint_measures_both_replicas_curves(endpoint
     steps = curves["decode_step_s_by_batch"]
     assert set(steps) == {1, 4} and steps[1] > 0 and curves["decode_step_s_by_context"][64] > 0
     assert curves["decode_context_batch"] == 4
+
+
+def test_the_front_end_is_measured_through_the_endpoint(endpoint):
+    """`swiftkv fleet validate`'s front-end measurement on this real endpoint: lone prompts and
+    bursts of one prompt per replica, every request answered; both figures non-negative and
+    together no more than a lone short prompt's TTFT."""
+    from swiftkv.fleet.config import FrontEndCalibration
+    from swiftkv.fleet.front_end import measure_front_end
+    from swiftkv.fleet.profile import ReplicaCosts, load_profile
+    from swiftkv.fleet.replay import Burst
+
+    profile = Path(__file__).resolve().parents[1] / "swiftkv" / "fleet" / "profiles" / "cpu-smollm2.json"
+    costs = ReplicaCosts.from_figures(load_profile(profile).figures("swiftkv-50"))
+    burst = Burst(endpoint.url, "routed", 180)
+    lone = burst.send(1, 16, 1)[0]["ttft_s"]
+    front = measure_front_end(burst, 2, costs, FrontEndCalibration(pair_prompt_tokens=64, rounds=2, pause_s=1.5))
+    assert set(front) == {"ingress_s", "ingress_latency_s"}
+    assert front["ingress_s"] >= 0 and front["ingress_latency_s"] >= 0
+    assert front["ingress_s"] + front["ingress_latency_s"] < 3 * lone
 
 
 def _replica_pids(deployment: str) -> list[int]:

@@ -50,6 +50,8 @@ def test_calibrate_measures_and_writes_a_profile(models, tmp_path):
     assert set(figures["decode_step_s_by_batch"]) == {"1", "2"} and figures["prefill_skipping"] is True
     assert figures["side_by_side"] == 2 and "(2 side by side, medians)" in run.stdout
     assert "prefill_tokens_per_s: " in run.stdout and "CPU cores" in figures["hardware"]
+    # The replica's engine limits (vLLM's server defaults on CPU), not the offline LLM class's 4,096 / 256.
+    assert (figures["max_num_batched_tokens"], figures["max_num_seqs"]) == (2048, 128)
     assert not engine_processes()
 
 

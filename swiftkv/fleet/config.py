@@ -99,6 +99,15 @@ class FleetSettings(StrictConfig):
     startup_s: float | None = Field(default=None, ge=0)
     """Seconds for a new replica to come up (default: the profile's)."""
 
+    ingress_s: float = Field(default=0.0, ge=0)
+    """Seconds the endpoint's front end (HTTP proxy, ingress, routing) spends on each request, one
+    request at a time: a burst reaches the replicas spread out, not at one instant. 0 where the front
+    end has cores of its own (a GPU fleet); ``swiftkv fleet validate`` measures it on a shared host."""
+
+    ingress_latency_s: float = Field(default=0.0, ge=0)
+    """Seconds every request spends on its way through the front end and back beyond ``ingress_s``,
+    in parallel with other requests (TTFTs count from arrival, so it adds to each)."""
+
     control_interval_s: float = Field(default=1.0, gt=0)
     """How often the autoscaling policy runs (Serve: every 0.1 s; its delays are in seconds, so a
     coarser tick changes little and runs faster)."""
@@ -165,3 +174,53 @@ class ServeCalibration(StrictConfig):
 
     rounds: int = Field(default=2, gt=0)
     """Repetitions of each point (medians kept), after one untimed pass over every shape."""
+
+
+class EngineCalibration(StrictConfig):
+    """``swiftkv calibrate``'s measurement of the served variant (its replicas side by side), as
+    ``swiftkv fleet validate`` runs it just before the replay."""
+
+    input_lens: list[int] = Field(default=[128, 512, 1536], min_length=1)
+    """Prompt lengths of the prefill points."""
+
+    batches: list[int] = Field(default=[1, 4], min_length=1)
+    """Decode batch sizes."""
+
+    decode_contexts: list[int] = Field(default=[128, 1024], min_length=1)
+    """Context lengths of the decode points at the largest batch."""
+
+    num_prompts: int = Field(default=2, gt=0)
+    """Prompts per prefill point."""
+
+    rounds: int = Field(default=2, gt=0)
+    """Repetitions (medians kept)."""
+
+
+class FrontEndCalibration(StrictConfig):
+    """How ``swiftkv fleet validate`` measures the endpoint's front end (``ingress_s`` and
+    ``ingress_latency_s``) before the replay."""
+
+    lone_prompt_tokens: int = Field(default=16, gt=0)
+    """Prompt length of the lone requests (their TTFT minus the engine's time is the front end's)."""
+
+    pair_prompt_tokens: int = Field(default=256, gt=0)
+    """Prompt length of the requests sent together, one per idle replica (how much later each next
+    one reaches its replica is the front end's time per request)."""
+
+    rounds: int = Field(default=5, gt=0)
+    """Lone requests and bursts each (medians kept)."""
+
+    pause_s: float = Field(default=3.0, ge=0)
+    """Wait between bursts: our router counts what it sent a replica until that replica's figures
+    show it (they come every ``routing.stats_period_s``), and back to back it would still see the last
+    burst and put both prompts of the next on one replica."""
+
+
+class ValidateMeasurement(StrictConfig):
+    """The simulator's inputs measured on this machine right before the replay."""
+
+    engine: EngineCalibration = EngineCalibration()
+    """The engine profile."""
+
+    front_end: FrontEndCalibration = FrontEndCalibration()
+    """The front end's time per request."""

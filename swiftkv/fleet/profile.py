@@ -120,10 +120,15 @@ def load_profile(path: str | Path) -> Profile:
     return parse_config(Profile, tree, what=f"profile {path}")
 
 
+def profile_json(profile: Profile) -> str:
+    """The file's text (defaults left out)."""
+    return json.dumps(profile.model_dump(mode="json", exclude_defaults=True), indent=2) + "\n"
+
+
 def save_profile(profile: Profile, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile.model_dump(mode="json", exclude_defaults=True), indent=2) + "\n")
+    path.write_text(profile_json(profile))
 
 
 @dataclass(frozen=True)

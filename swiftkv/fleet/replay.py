@@ -10,12 +10,14 @@ tokens exactly and the engine's prefix cache sees the trace's reuse.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from typing import Any
 
 from swiftkv.fleet.trace import Trace, TraceRequest
 
+BURST_BLOCK_TOKENS = 16  # prompt blocks of a Burst's requests (each request's first one is new)
 FIRST_TOKEN_ID = 10  # below this, special tokens in most vocabularies
 PROMPT_VOCAB = 32000  # prompt ids drawn below this: every model served here has a larger vocabulary
 
@@ -64,3 +66,33 @@ def replay(base_url: str, model: str, trace: Trace, vocab: int, timeout_s: float
     ``warmup``: the same lengths and timing with other token ids (nothing of it is cached for the real
     pass)."""
     return asyncio.run(_send_all(base_url, model, trace, vocab, timeout_s, 7919 if warmup else 0))
+
+
+class Burst:
+    """Sends batches of fresh prompts (a new first block each: nothing cached) through the endpoint at
+    once; the calibrations through Serve are made of these."""
+
+    def __init__(self, url: str, model: str, timeout_s: float) -> None:
+        self.url, self.model, self.timeout_s = url, model, timeout_s
+        self.blocks = itertools.count(10**12)  # beyond any trace's block ids
+
+    def send(self, requests: int, input_tokens: int, output_tokens: int) -> list[dict[str, Any]]:
+        """Send ``requests`` prompts together; their records (as :func:`replay`'s), all answered in full."""
+        blocks = -(-input_tokens // BURST_BLOCK_TOKENS)
+        trace = Trace(tuple(TraceRequest(0.0, input_tokens, output_tokens,
+                                         tuple(next(self.blocks) for _ in range(blocks)))
+                            for _ in range(requests)), BURST_BLOCK_TOKENS)
+        records = replay(self.url, self.model, trace, PROMPT_VOCAB, self.timeout_s)
+        failed = [r["error"] for r in records if r["latency_s"] is None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {requests} calibration requests failed: {failed[0]}")
+        short = [r for r in records if r["output_tokens"] != output_tokens]
+        if short:
+            raise RuntimeError(f"{len(short)} requests returned {short[0]['output_tokens']} tokens, not "
+                               f"{output_tokens} (ignore_eos must hold)")
+        return records
+
+    def seconds(self, requests: int, input_tokens: int, output_tokens: int) -> float:
+        """Wall seconds from sending ``requests`` prompts together to the last one's end."""
+        records = self.send(requests, input_tokens, output_tokens)
+        return max(r["sent_s"] + r["latency_s"] for r in records) - min(r["sent_s"] for r in records)

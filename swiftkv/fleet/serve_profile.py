@@ -20,42 +20,14 @@ kept from the engine profile.
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
 from typing import Any
 
 from swiftkv.fleet.config import ServeCalibration
 from swiftkv.fleet.profile import ModelFigures, Profile
-from swiftkv.fleet.replay import PROMPT_VOCAB, replay
-from swiftkv.fleet.trace import Trace, TraceRequest
+from swiftkv.fleet.replay import Burst
 from swiftkv.fleet.validate import ValidateConfig, served_name, serving
-
-BLOCK_TOKENS = 16  # prompt blocks of the calibration's requests (each request's first one is new)
-
-
-class Burst:
-    """Sends batches of fresh prompts (a new first block each) through the endpoint at once."""
-
-    def __init__(self, url: str, model: str, timeout_s: float) -> None:
-        self.url, self.model, self.timeout_s = url, model, timeout_s
-        self.blocks = itertools.count(10**12)  # beyond any trace's block ids
-
-    def seconds(self, requests: int, input_tokens: int, output_tokens: int) -> float:
-        """Wall seconds from sending ``requests`` prompts together to the last one's end."""
-        blocks = -(-input_tokens // BLOCK_TOKENS)
-        trace = Trace(tuple(TraceRequest(0.0, input_tokens, output_tokens,
-                                         tuple(next(self.blocks) for _ in range(blocks)))
-                            for _ in range(requests)), BLOCK_TOKENS)
-        records = replay(self.url, self.model, trace, PROMPT_VOCAB, self.timeout_s)
-        failed = [r["error"] for r in records if r["latency_s"] is None]
-        if failed:
-            raise RuntimeError(f"{len(failed)} of {requests} calibration requests failed: {failed[0]}")
-        short = [r for r in records if r["output_tokens"] != output_tokens]
-        if short:
-            raise RuntimeError(f"{len(short)} requests returned {short[0]['output_tokens']} tokens, not "
-                               f"{output_tokens} (ignore_eos must hold)")
-        return max(r["sent_s"] + r["latency_s"] for r in records) - min(r["sent_s"] for r in records)
 
 
 def measure(burst: Burst, replicas: int, cal: ServeCalibration, rounds: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""The event loop: requests arrive, Serve's router places them, replicas run them, replicas publish
-their load, Serve's autoscaling policy resizes the fleet, new replicas come up after their start-up
-time and replicas told to stop drain first.
+"""The event loop: requests arrive, pass the endpoint's front end, Serve's router places them,
+replicas run them, replicas publish their load, Serve's autoscaling policy resizes the fleet, new
+replicas come up after their start-up time and replicas told to stop drain first.
 
 Everything runs on one simulated clock inside one asyncio loop (Serve's router classes create tasks
 and await; nothing here sleeps), so a run is deterministic for a given config and seed.
@@ -65,6 +65,13 @@ class Simulation:
                          for i, r in enumerate(trace.requests)]
         self.progress = progress
         self.idle_ttft = [self.costs.idle_ttft_s(r.input_tokens) for r in self.requests]
+        # When each request reaches the router: through the front end, one at a time for ``ingress_s``
+        # each, then ``ingress_latency_s`` more in parallel.
+        self.routable_at: list[float] = []
+        free = 0.0
+        for request in self.requests:
+            free = max(request.arrival_s, free) + cfg.ingress_s
+            self.routable_at.append(free + cfg.ingress_latency_s)
         self.miss_budget = miss_budget
         self.misses = 0
         self.missed: set[int] = set()  # requests counted as misses at their deadline
@@ -213,7 +220,7 @@ class Simulation:
         for _ in range(self.target):
             self.start_replica(0.0)
         if self.requests:
-            self.push(self.requests[0].arrival_s, ARRIVAL, 0)
+            self.push(self.routable_at[0], ARRIVAL, 0)
         # Figures nobody reads are not computed: a static fleet has no autoscaler, and Serve's
         # power-of-two router reads no routing stats.
         if self.autoscaler:
@@ -230,9 +237,9 @@ class Simulation:
             if kind == ARRIVAL:
                 self.pending.append(self.requests[payload])
                 if payload + 1 < len(self.requests):
-                    self.push(self.requests[payload + 1].arrival_s, ARRIVAL, payload + 1)
+                    self.push(self.routable_at[payload + 1], ARRIVAL, payload + 1)
                 if self.miss_budget is not None and self.idle_ttft[payload] <= cfg.slo_ttft_s:
-                    self.push(self.now + cfg.slo_ttft_s, DEADLINE, payload)
+                    self.push(self.requests[payload].arrival_s + cfg.slo_ttft_s, DEADLINE, payload)
                 await self.dispatch()
             elif kind == REPLICA:
                 number, version = payload

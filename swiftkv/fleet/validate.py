@@ -1,7 +1,12 @@
 """``swiftkv fleet validate``: the simulator against the real thing. The same trace slice is replayed
 against a real ``swiftkv serve`` endpoint (fixed replicas, started here and stopped afterwards) and
-through the simulator with the profile measured on this machine; TTFT p50/p90 and throughput are
-compared.
+through the simulator; TTFT p50/p90 and throughput are compared.
+
+What the simulator runs on is measured on this machine in the same command, just before the replay
+(``measure``): the engine profile (``swiftkv calibrate``, the replicas side by side) and the
+endpoint's front end (:mod:`swiftkv.fleet.front_end`). On a shared host the speed drifts by the
+hour (this machine: the same replay's TTFT p50 3.1-3.8 s one day, 1.9 s the next), so figures from
+another hour would compare the simulator with another machine.
 """
 
 from __future__ import annotations
@@ -21,14 +26,15 @@ from typing import Any
 from pydantic import Field
 
 from serve_apps.load import percentile
-from swiftkv.fleet.config import FleetConfig, FleetSettings, ServeCalibration, TrafficConfig
-from swiftkv.fleet.profile import Profile
-from swiftkv.fleet.replay import PROMPT_VOCAB, replay
+from swiftkv.fleet.config import FleetConfig, FleetSettings, ServeCalibration, TrafficConfig, ValidateMeasurement
+from swiftkv.fleet.front_end import measure_front_end
+from swiftkv.fleet.profile import Profile, ReplicaCosts, load_profile, profile_json
+from swiftkv.fleet.replay import PROMPT_VOCAB, Burst, replay
 from swiftkv.fleet.results import summarize
 from swiftkv.fleet.simulator import simulate
 from swiftkv.fleet.trace import window
 from swiftkv.outputs import write_files
-from swiftkv.yaml_config import StrictConfig, read_yaml_mapping
+from swiftkv.yaml_config import StrictConfig, parse_config, read_yaml_mapping
 
 
 class ValidateConfig(StrictConfig):
@@ -37,8 +43,14 @@ class ValidateConfig(StrictConfig):
     traffic: TrafficConfig
     """The slice (scaled so the real replicas keep up and its prompts fit the model)."""
 
-    profile: str
-    """The profile measured on this machine with the serve config's engine settings."""
+    profile: str | None = None
+    """A profile measured on this machine with the serve config's engine settings: the simulator's
+    when ``measure`` is off, and the engine limits ``calibrate-serve`` keeps."""
+
+    measure: ValidateMeasurement | None = ValidateMeasurement()
+    """Measure the engine profile and the front end here, just before the replay, and simulate with
+    them (written beside the validation as ``profile.json``); ``null``: simulate with ``profile``
+    and ``fleet`` as given."""
 
     model: str = "swiftkv-50"
     """The profile's variant the served model is."""
@@ -133,21 +145,57 @@ def _figures(ttfts: list[float | None], outputs: list[int], ends: list[float]) -
             "output_tokens_per_s": sum(outputs) / span, "requests_per_s": len(ok) / span}
 
 
-def run_validate(cfg: ValidateConfig, profile: Profile) -> dict[str, Any]:
+def measure_engines(cfg: ValidateConfig) -> Profile:
+    """``swiftkv calibrate`` of the serve config's model, ``cfg.replicas`` engines side by side on a
+    local Ray of its own (shut down before the endpoint starts), as the variant ``cfg.model``."""
+    import ray
+
+    from serve_apps.calibrate import calibrate
+    from serve_apps.local import read_app_config
+
+    options = read_app_config(cfg.serve_config, [], []).models[0].model_copy(update={"name": cfg.model})
+    eng = cfg.measure.engine
+    print(f"measuring the engine profile of {options.model} ({cfg.replicas} side by side)", flush=True)
+    ray.init(address="local", include_dashboard=False)
+    try:
+        tree = calibrate([options], eng.input_lens, eng.batches, eng.num_prompts, eng.rounds, eng.decode_contexts,
+                         side_by_side=cfg.replicas)
+    finally:
+        ray.shutdown()
+    return parse_config(Profile, {"source": "swiftkv fleet validate (measure.engine)", **tree}, what="profile")
+
+
+def simulation_inputs(cfg: ValidateConfig) -> Profile:
+    """The profile to simulate with: measured now, or the configured file (checked before anything starts)."""
+    if cfg.measure:
+        return measure_engines(cfg)
+    if cfg.profile is None:
+        raise ValueError("the validate config needs `profile` when `measure` is null")
+    return load_profile(cfg.profile)
+
+
+def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
     trace = cfg.traffic.build()
+    profile = simulation_inputs(cfg)
     figures = profile.figures(cfg.model)
+    fleet = FleetConfig(**cfg.fleet.model_dump(), model=cfg.model, static_replicas=cfg.replicas)
     with serving(cfg, figures.prefill_tokens_per_s) as url:
         model = served_name(cfg)
         if cfg.warmup_requests:
             replay(url, model, window(trace, limit=cfg.warmup_requests), PROMPT_VOCAB, cfg.request_timeout_s,
                    warmup=True)
+        if cfg.measure:
+            front_end = measure_front_end(Burst(url, model, cfg.request_timeout_s), cfg.replicas,
+                                          ReplicaCosts.from_figures(figures), cfg.measure.front_end)
+            print(f"front end: {front_end['ingress_s'] * 1000:.0f} ms per request, one at a time, "
+                  f"+ {front_end['ingress_latency_s'] * 1000:.0f} ms", flush=True)
+            fleet = fleet.model_copy(update=front_end)
         t0 = time.time()
         measured = replay(url, model, trace, PROMPT_VOCAB, cfg.request_timeout_s)
         wall_s = time.time() - t0
     real = _figures([m["ttft_s"] for m in measured], [m["output_tokens"] or 0 for m in measured],
                     [m["sent_s"] + (m["latency_s"] or 0) for m in measured])
-    run = simulate(FleetConfig(**cfg.fleet.model_dump(), model=cfg.model, static_replicas=cfg.replicas), trace,
-                   profile)
+    run = simulate(fleet, trace, profile)
     sim = _figures([r.ttft_s for r in run.requests], [r.output_tokens for r in run.requests if r.finish_s],
                    [r.finish_s for r in run.requests if r.finish_s is not None])
     ratios = {k: sim[k] / real[k] for k in ("ttft_p50_s", "ttft_p90_s", "output_tokens_per_s")
@@ -157,6 +205,7 @@ def run_validate(cfg: ValidateConfig, profile: Profile) -> dict[str, Any]:
     slowdown = [m["ttft_s"] / r.ttft_s for m, r in zip(measured, run.requests, strict=True) if m["ttft_s"] and r.ttft_s]
     result = {
         "config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
+        "front_end": {k: getattr(fleet, k) for k in ("ingress_s", "ingress_latency_s")},
         "median_measured_over_simulated_ttft": statistics.median(slowdown) if slowdown else None,
         "measured": real, "simulated": sim, "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
         "simulated_over_measured": ratios,
@@ -165,7 +214,8 @@ def run_validate(cfg: ValidateConfig, profile: Profile) -> dict[str, Any]:
                          "uncached_tokens_simulated": r.uncached_tokens}
                         for m, r in zip(measured, run.requests, strict=True)],
     }
-    write_files(cfg.out, {"validation.json": json.dumps(result, indent=1).encode()})
+    write_files(cfg.out, {"validation.json": json.dumps(result, indent=1).encode(),
+                          "profile.json": profile_json(profile).encode()})
     return result
 
 
@@ -177,6 +227,10 @@ def format_validation(result: dict[str, Any]) -> str:
         ratio = result["simulated_over_measured"].get(key)
         rows.append(f"| {label} | {real:.3g} | {sim:.3g} | {ratio:.2f} |" if ratio else f"| {label} | - | - | - |")
     summary = f"requests: {result['requests']}, failed (measured): {result['measured']['failed']}"
+    front = result.get("front_end")
+    if front:
+        summary += (f", front end: {front['ingress_s'] * 1000:.0f} ms per request one at a time + "
+                    f"{front['ingress_latency_s'] * 1000:.0f} ms")
     slowdown = result["median_measured_over_simulated_ttft"]
     if slowdown is not None:
         summary += f", median measured / simulated TTFT per request: {slowdown:.2f}"
