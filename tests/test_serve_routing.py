@@ -85,7 +85,8 @@ def test_calibration_through_the_endpoint_measures_both_replicas_curves(endpoint
 def test_the_front_end_is_measured_through_the_endpoint(endpoint):
     """`swiftkv fleet validate`'s front-end measurement on this real endpoint: lone prompts and
     bursts of one prompt per replica, every request answered; both figures non-negative and
-    together no more than a lone short prompt's TTFT."""
+    together under three lone short prompts' TTFT (a pair put on one replica, the second waiting for
+    the first's prefill, or a front end that queued whole requests would not be)."""
     from swiftkv.fleet.config import FrontEndCalibration
     from swiftkv.fleet.front_end import measure_front_end
     from swiftkv.fleet.profile import ReplicaCosts, load_profile

@@ -151,8 +151,29 @@ class SimulateConfig(StrictConfig):
     """Folder (or fsspec URI) for ``results.json`` and ``timeline.png``."""
 
 
-class ServeCalibration(StrictConfig):
-    """What ``swiftkv fleet calibrate-serve`` measures through a validation's endpoint."""
+class EngineCalibration(StrictConfig):
+    """The points of a replica's timing curves: what ``swiftkv fleet validate`` has ``swiftkv
+    calibrate`` measure of the served variant (its replicas side by side) just before the replay."""
+
+    input_lens: list[int] = Field(default=[128, 512, 1536], min_length=1)
+    """Prompt lengths of the prefill points (the longest gives ``prefill_tokens_per_s``)."""
+
+    batches: list[int] = Field(default=[1, 4], min_length=1)
+    """Sequences per replica of the decode points."""
+
+    decode_contexts: list[int] = Field(default=[128, 1024], min_length=1)
+    """Context lengths of the decode points at the largest batch."""
+
+    num_prompts: int = Field(default=2, gt=0)
+    """Prompts per replica in each prefill point."""
+
+    rounds: int = Field(default=2, gt=0)
+    """Repetitions of each point (medians kept)."""
+
+
+class ServeCalibration(EngineCalibration):
+    """What ``swiftkv fleet calibrate-serve`` measures through a validation's endpoint: the same
+    points, more of them, and how a decode point is timed there."""
 
     input_lens: list[int] = Field(default=[32, 128, 512, 1536], min_length=1)
     """Prompt lengths of the prefill points (the longest gives ``prefill_tokens_per_s``)."""
@@ -160,40 +181,11 @@ class ServeCalibration(StrictConfig):
     batches: list[int] = Field(default=[1, 4, 8], min_length=1)
     """Sequences per replica of the decode points (``decode_context_tokens`` of context each)."""
 
-    decode_contexts: list[int] = Field(default=[128, 1024], min_length=1)
-    """Context lengths of the decode points at the largest batch."""
-
     decode_context_tokens: int = Field(default=128, gt=0)
     """Context of the by-batch decode points."""
 
-    num_prompts: int = Field(default=2, gt=0)
-    """Prompts per replica in each prefill point."""
-
     decode_tokens: int = Field(default=16, gt=0)
     """Extra output tokens timed for a decode point."""
-
-    rounds: int = Field(default=2, gt=0)
-    """Repetitions of each point (medians kept), after one untimed pass over every shape."""
-
-
-class EngineCalibration(StrictConfig):
-    """``swiftkv calibrate``'s measurement of the served variant (its replicas side by side), as
-    ``swiftkv fleet validate`` runs it just before the replay."""
-
-    input_lens: list[int] = Field(default=[128, 512, 1536], min_length=1)
-    """Prompt lengths of the prefill points."""
-
-    batches: list[int] = Field(default=[1, 4], min_length=1)
-    """Decode batch sizes."""
-
-    decode_contexts: list[int] = Field(default=[128, 1024], min_length=1)
-    """Context lengths of the decode points at the largest batch."""
-
-    num_prompts: int = Field(default=2, gt=0)
-    """Prompts per prefill point."""
-
-    rounds: int = Field(default=2, gt=0)
-    """Repetitions (medians kept)."""
 
 
 class FrontEndCalibration(StrictConfig):

@@ -3,9 +3,9 @@ through a running ``swiftkv serve``, as the two fleet settings the simulator mod
 
 - ``ingress_s``, its time per request, one request at a time: ``replicas`` equal prompts are sent
   together while every replica is idle (and the router's figures are settled); the router gives
-  each its own replica, so they would get
-  their first tokens together were the front end parallel. Each next one comes later by the time the
-  front end spent on the one before (its whole spread over ``replicas - 1``);
+  each its own replica, so they would get their first tokens together were the front end parallel.
+  Each next one comes later by the time the front end spent on the one before (its whole spread
+  over ``replicas - 1``);
 - ``ingress_latency_s``, the rest of a lone request's way: short prompts sent one at a time, their
   TTFT minus the engine's own time for the prompt (the profile's idle TTFT) minus ``ingress_s``.
 """
