@@ -361,6 +361,41 @@ def test_the_validation_table_names_each_ratio_and_the_replicas_slowdown():
     text = format_validation(result)
     assert "| TTFT p50 (s) | 8.59 | 6.26 | 0.73 |" in text and "| output tokens/s | 7.21 | 7.26 | 1.01 |" in text
     assert text.endswith("requests: 162, failed (measured): 0, median measured / simulated TTFT per request: 1.36")
+    result["host_load"] = {"summary": {
+        "ours": 1.5, "engines": 1.25, "others": 0.25, "steal": 0.05, "idle": 0.2,
+        "others_plus_steal_worst_10_periods": 0.9, "saturated_periods": 40, "ours_when_saturated": 1.9,
+        "engines_when_saturated": 1.6, "others_when_saturated": 0.05, "steal_when_saturated": 0.05}}
+    assert format_validation(result).endswith(
+        "host CPUs during the replay (mean cores): this run 1.50 (engines 1.25), other processes 0.25, steal 0.05, "
+        "idle 0.20; others + steal in the worst 10 s: 0.90; in the 40 periods with no core idle: engines 1.60, "
+        "rest of this run 0.30, others + steal 0.10")
+
+
+def test_host_load_tells_this_runs_processes_from_the_hosts_others():
+    """A child process that spins for 2 s counts as this run's (and, titled as vLLM's engine core
+    process, as an engine); one started the same way but left to the init process (its shell exits at
+    once) counts as another process's. Either takes one core."""
+    import subprocess
+    import sys
+    import time
+
+    from swiftkv.fleet.host_load import HostLoad
+
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 2: pass"
+    with HostLoad(period_s=0.25) as host:
+        time.sleep(0.3)
+        subprocess.run([sys.executable, "-c", spin, "VLLM::EngineCore"], check=True)  # titled as vLLM's
+        ours_until = time.time()
+        subprocess.run(["sh", "-c", f"{sys.executable} -c '{spin}' >/dev/null 2>&1 &"], check=True)
+        time.sleep(2.6)
+    def mean(kind: str, since: float, until: float) -> float:
+        picked = [getattr(s, kind) for s in host.samples if since <= host.started + s.t <= until]
+        return sum(picked) / len(picked)
+
+    child = (ours_until - 1.5, ours_until - 0.3)
+    orphan = (ours_until + 0.8, ours_until + 1.8)
+    assert mean("ours", *child) > 0.7 and mean("engines", *child) > 0.7 and mean("others", *child) < 0.4
+    assert mean("others", *orphan) > 0.7 and mean("ours", *orphan) < 0.3
 
 
 def test_trace_description_on_a_hand_computed_trace():

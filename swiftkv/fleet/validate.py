@@ -28,6 +28,8 @@ from pydantic import Field
 from serve_apps.load import percentile
 from swiftkv.fleet.config import FleetConfig, FleetSettings, ServeCalibration, TrafficConfig, ValidateMeasurement
 from swiftkv.fleet.front_end import measure_front_end
+from swiftkv.fleet.host_load import HostLoad
+from swiftkv.fleet.plots import validation_png
 from swiftkv.fleet.profile import Profile, ReplicaCosts, load_profile, profile_json
 from swiftkv.fleet.replay import PROMPT_VOCAB, Burst, replay
 from swiftkv.fleet.results import summarize
@@ -191,7 +193,8 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
                   f"+ {front_end['ingress_latency_s'] * 1000:.0f} ms", flush=True)
             fleet = fleet.model_copy(update=front_end)
         t0 = time.time()
-        measured = replay(url, model, trace, PROMPT_VOCAB, cfg.request_timeout_s)
+        with HostLoad() as host:
+            measured = replay(url, model, trace, PROMPT_VOCAB, cfg.request_timeout_s)
         wall_s = time.time() - t0
     real = _figures([m["ttft_s"] for m in measured], [m["output_tokens"] or 0 for m in measured],
                     [m["sent_s"] + (m["latency_s"] or 0) for m in measured])
@@ -206,6 +209,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
     result = {
         "config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
         "front_end": {k: getattr(fleet, k) for k in ("ingress_s", "ingress_latency_s")},
+        "host_load": host.to_json(),
         "median_measured_over_simulated_ttft": statistics.median(slowdown) if slowdown else None,
         "measured": real, "simulated": sim, "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
         "simulated_over_measured": ratios,
@@ -215,7 +219,8 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
                         for m, r in zip(measured, run.requests, strict=True)],
     }
     write_files(cfg.out, {"validation.json": json.dumps(result, indent=1).encode(),
-                          "profile.json": profile_json(profile).encode()})
+                          "profile.json": profile_json(profile).encode(),
+                          "validation.png": validation_png(result["per_request"], host.samples)})
     return result
 
 
@@ -234,4 +239,15 @@ def format_validation(result: dict[str, Any]) -> str:
     slowdown = result["median_measured_over_simulated_ttft"]
     if slowdown is not None:
         summary += f", median measured / simulated TTFT per request: {slowdown:.2f}"
+    host = result.get("host_load", {}).get("summary")
+    if host:
+        summary += (f"\nhost CPUs during the replay (mean cores): this run {host['ours']:.2f} (engines "
+                    f"{host['engines']:.2f}), other processes {host['others']:.2f}, steal {host['steal']:.2f}, "
+                    f"idle {host['idle']:.2f}; others + steal in the worst 10 s: "
+                    f"{host['others_plus_steal_worst_10_periods']:.2f}")
+        if host["saturated_periods"]:
+            summary += (f"; in the {host['saturated_periods']} periods with no core idle: engines "
+                        f"{host['engines_when_saturated']:.2f}, rest of this run "
+                        f"{host['ours_when_saturated'] - host['engines_when_saturated']:.2f}, others + steal "
+                        f"{host['others_when_saturated'] + host['steal_when_saturated']:.2f}")
     return "\n".join(rows) + "\n\n" + summary
