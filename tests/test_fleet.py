@@ -73,6 +73,29 @@ def test_the_front_end_passes_a_burst_one_request_at_a_time():
     assert result.requests[3].ttft_s == pytest.approx(0.65)
 
 
+def test_simultaneous_arrivals_in_another_order_change_the_percentiles_by_hand():
+    """A 900-token and a 100-token prompt 10 ms apart, a lone 100-token one at 2 s; one replica at
+    1000 tok/s, 500 tokens a step. 900 first: 500 of it to 0.5 s, then 400 + 100 to 0.9 s, TTFTs
+    1.0 / 0.99 / 0.1 (p50 0.99, p90 1.0). 100 first: it alone to 0.1 s, the 900 in two steps to 1.0 s,
+    TTFTs 0.1 / 0.99 / 0.1 (p50 0.1, p90 0.99). Shuffling keeps every request and the arrival times
+    and groups only arrivals within ``tie_s``."""
+    from swiftkv.fleet.trace import shuffle_simultaneous
+    from swiftkv.fleet.validate import order_spread
+
+    trace = Trace((TraceRequest(0.0, 900, 1, blocks(0, 9)), TraceRequest(0.01, 100, 1, (50,)),
+                   TraceRequest(2.0, 100, 1, (60,))), 100)
+    orders = {tuple(r.input_tokens for r in shuffle_simultaneous(trace, 0.05, seed).requests) for seed in range(20)}
+    assert orders == {(900, 100, 100), (100, 900, 100)}
+    assert [r.arrival_s for r in shuffle_simultaneous(trace, 0.05, 3).requests] == [0.0, 0.01, 2.0]
+    assert shuffle_simultaneous(trace, 0.0, 3) == trace  # 10 ms apart: not simultaneous at 0
+    fleet = FleetConfig(model="m", static_replicas=1)
+    profile = Profile(models={"m": figures(budget=500)})
+    spread = order_spread(fleet, trace, profile, 20, 0.05)
+    assert spread["ttft_p50_s"]["min"] == pytest.approx(0.1) and spread["ttft_p50_s"]["max"] == pytest.approx(0.99)
+    assert spread["ttft_p90_s"]["min"] == pytest.approx(0.99) and spread["ttft_p90_s"]["max"] == pytest.approx(1.0)
+    assert order_spread(fleet, trace, profile, 0, 0.05) == {}
+
+
 def test_queued_prompts_wait_their_turn_and_a_cached_prefix_is_not_recomputed():
     a = TraceRequest(0.0, 1000, 1, blocks(0, 10))
     b = TraceRequest(0.5, 500, 1, blocks(50, 5))  # arrives while the first prefills: waits 0.5 s
@@ -361,6 +384,11 @@ def test_the_validation_table_names_each_ratio_and_the_replicas_slowdown():
     text = format_validation(result)
     assert "| TTFT p50 (s) | 8.59 | 6.26 | 0.73 |" in text and "| output tokens/s | 7.21 | 7.26 | 1.01 |" in text
     assert text.endswith("requests: 162, failed (measured): 0, median measured / simulated TTFT per request: 1.36")
+    result["simulated_over_arrival_orders"] = {"ttft_p90_s": {"min": 13.2, "p5": 13.3, "median": 14.73, "p95": 16.02,
+                                                              "max": 17.74}}
+    assert format_validation(result).endswith(
+        "\nsimulated TTFT p90 over random orders of simultaneous arrivals: 13.20 / 13.30 / 14.73 / 16.02 / 17.74 s "
+        "(min / 5% / median / 95% / max); measured 17.10 s")
     result["host_load"] = {"summary": {
         "ours": 1.5, "engines": 1.25, "others": 0.25, "steal": 0.05, "idle": 0.2,
         "others_plus_steal_worst_10_periods": 0.9, "saturated_periods": 40, "ours_when_saturated": 1.9,
@@ -374,12 +402,13 @@ def test_the_validation_table_names_each_ratio_and_the_replicas_slowdown():
 def test_host_load_tells_this_runs_processes_from_the_hosts_others():
     """A child process that spins for 2 s counts as this run's (and, titled as vLLM's engine core
     process, as an engine); one started the same way but left to the init process (its shell exits at
-    once) counts as another process's. Either takes one core."""
+    once) counts as another process's. Either takes one core. The validation's figure draws them."""
     import subprocess
     import sys
     import time
 
     from swiftkv.fleet.host_load import HostLoad
+    from swiftkv.fleet.plots import validation_png
 
     spin = "import time\nt = time.time()\nwhile time.time() - t < 2: pass"
     with HostLoad(period_s=0.25) as host:
@@ -396,6 +425,9 @@ def test_host_load_tells_this_runs_processes_from_the_hosts_others():
     orphan = (ours_until + 0.8, ours_until + 1.8)
     assert mean("ours", *child) > 0.7 and mean("engines", *child) > 0.7 and mean("others", *child) < 0.4
     assert mean("others", *orphan) > 0.7 and mean("ours", *orphan) < 0.3
+    requests = [{"sent_s": 0.0, "ttft_s": 0.5, "simulated_ttft_s": 0.4}, {"sent_s": 1.0, "ttft_s": None,
+                                                                        "simulated_ttft_s": 0.6}]
+    assert validation_png(requests, host.samples).startswith(b"\x89PNG")
 
 
 def test_trace_description_on_a_hand_computed_trace():

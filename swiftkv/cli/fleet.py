@@ -92,5 +92,5 @@ def run(args: argparse.Namespace) -> int:
 
         cfg = load_config(ValidateConfig, args.config, args.set, what="fleet validate config")
         print(format_validation(run_validate(cfg)))
-        print(f"wrote {cfg.out}/validation.json, profile.json")
+        print(f"wrote {cfg.out}/validation.json, validation.png, profile.json")
     return 0

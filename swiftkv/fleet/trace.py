@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -107,6 +108,23 @@ def window(trace: Trace, start_s: float = 0.0, duration_s: float | None = None, 
     if not chosen:
         raise ValueError(f"no requests between {start_s:g} s and {end:g} s of the trace")
     return Trace(tuple(chosen), trace.block_tokens)
+
+
+def shuffle_simultaneous(trace: Trace, within_s: float, seed: int) -> Trace:
+    """The trace with each group of requests arriving within ``within_s`` of the group's first put in
+    a random (seeded) order, the arrival times kept: requests sent together reach a real endpoint's
+    router in the order its front end accepts them, not the trace's."""
+    rng = random.Random(seed)
+    reqs, out, start = trace.requests, [], 0
+    while start < len(reqs):
+        end = start + 1
+        while end < len(reqs) and reqs[end].arrival_s - reqs[start].arrival_s <= within_s:
+            end += 1
+        group = list(reqs[start:end])
+        rng.shuffle(group)
+        out += [replace(r, arrival_s=t.arrival_s) for r, t in zip(group, reqs[start:end], strict=True)]
+        start = end
+    return Trace(tuple(out), trace.block_tokens)
 
 
 def superpose(trace: Trace, copies: int) -> Trace:

@@ -34,7 +34,7 @@ from swiftkv.fleet.profile import Profile, ReplicaCosts, load_profile, profile_j
 from swiftkv.fleet.replay import PROMPT_VOCAB, Burst, replay
 from swiftkv.fleet.results import summarize
 from swiftkv.fleet.simulator import simulate
-from swiftkv.fleet.trace import window
+from swiftkv.fleet.trace import Trace, shuffle_simultaneous, window
 from swiftkv.outputs import write_files
 from swiftkv.yaml_config import StrictConfig, parse_config, read_yaml_mapping
 
@@ -73,8 +73,17 @@ class ValidateConfig(StrictConfig):
     metrics_port: int = Field(default=8041, gt=0)
     """Ray's metrics port of the served application."""
 
-    warmup_requests: int = Field(default=4, ge=0)
-    """Untimed requests of the slice's first lengths, with other tokens, before the replay."""
+    warmup_requests: int = Field(default=26, ge=0)
+    """Untimed requests of the slice's first lengths and times, with other tokens, before the replay.
+    26 covers the committed slice's first two bursts, its largest among them, so the replicas have run
+    steps of their full token budget before the timed replay starts."""
+
+    arrival_orders: int = Field(default=60, ge=0)
+    """Also simulate the slice this many times with each group of simultaneous arrivals (``tie_s``) in
+    a random order, for the spread of the simulated percentiles that the order alone makes."""
+
+    tie_s: float = Field(default=0.05, ge=0)
+    """Arrivals this close to the first of their group count as simultaneous."""
 
     request_timeout_s: float = Field(default=900.0, gt=0)
     """No request may take longer."""
@@ -176,6 +185,19 @@ def simulation_inputs(cfg: ValidateConfig) -> Profile:
     return load_profile(cfg.profile)
 
 
+def order_spread(fleet: FleetConfig, trace: Trace, profile: Profile, orders: int, tie_s: float) -> dict[str, Any]:
+    """The simulated TTFT p50 and p90 over ``orders`` random orders of simultaneous arrivals: min, 5th
+    percentile, median, 95th percentile and max (empty with no orders)."""
+    runs = [simulate(fleet, shuffle_simultaneous(trace, tie_s, seed), profile) for seed in range(orders)]
+    spread = {}
+    for key, q in (("ttft_p50_s", 50), ("ttft_p90_s", 90)):
+        values = [percentile([r.ttft_s for r in run.requests if r.ttft_s is not None], q) for run in runs]
+        if values:
+            spread[key] = {"min": min(values), "p5": percentile(values, 5), "median": statistics.median(values),
+                           "p95": percentile(values, 95), "max": max(values)}
+    return spread
+
+
 def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
     trace = cfg.traffic.build()
     profile = simulation_inputs(cfg)
@@ -203,6 +225,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
                    [r.finish_s for r in run.requests if r.finish_s is not None])
     ratios = {k: sim[k] / real[k] for k in ("ttft_p50_s", "ttft_p90_s", "output_tokens_per_s")
               if real[k] and sim[k] is not None}
+    orders = order_spread(fleet, trace, profile, cfg.arrival_orders, cfg.tie_s)
     # How much slower the real replicas ran than their profile: a profile measured at another load
     # (shared cores) shows here first.
     slowdown = [m["ttft_s"] / r.ttft_s for m, r in zip(measured, run.requests, strict=True) if m["ttft_s"] and r.ttft_s]
@@ -214,6 +237,8 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
         "measured": real, "simulated": sim, "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
         "simulated_over_measured": ratios,
         "within_tolerance": {k: abs(v - 1) <= cfg.tolerance for k, v in ratios.items()},
+        "simulated_over_arrival_orders": orders,
+        "measured_within_order_spread": {k: v["p5"] <= real[k] <= v["p95"] for k, v in orders.items() if real[k]},
         "per_request": [{**m, "simulated_ttft_s": r.ttft_s, "input_tokens": r.input_tokens,
                          "uncached_tokens_simulated": r.uncached_tokens}
                         for m, r in zip(measured, run.requests, strict=True)],
@@ -239,6 +264,13 @@ def format_validation(result: dict[str, Any]) -> str:
     slowdown = result["median_measured_over_simulated_ttft"]
     if slowdown is not None:
         summary += f", median measured / simulated TTFT per request: {slowdown:.2f}"
+    for key, label in (("ttft_p50_s", "p50"), ("ttft_p90_s", "p90")):
+        spread = result.get("simulated_over_arrival_orders", {}).get(key)
+        if spread:
+            summary += (f"\nsimulated TTFT {label} over random orders of simultaneous arrivals: "
+                        f"{spread['min']:.2f} / {spread['p5']:.2f} / {spread['median']:.2f} / {spread['p95']:.2f} / "
+                        f"{spread['max']:.2f} s (min / 5% / median / 95% / max); measured "
+                        f"{result['measured'][key]:.2f} s")
     host = result.get("host_load", {}).get("summary")
     if host:
         summary += (f"\nhost CPUs during the replay (mean cores): this run {host['ours']:.2f} (engines "
