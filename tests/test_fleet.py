@@ -397,6 +397,11 @@ def test_the_validation_table_names_each_ratio_and_the_replicas_slowdown():
         "host CPUs during the replay (mean cores): this run 1.50 (engines 1.25), other processes 0.25, steal 0.05, "
         "idle 0.20; others + steal in the worst 10 s: 0.90; in the 40 periods with no core idle: engines 1.60, "
         "rest of this run 0.30, others + steal 0.10")
+    result["calibration_host_load"] = {**result["host_load"]["summary"], "saturated_periods": 30,
+                                       "engines_when_saturated": 1.85}
+    assert format_validation(result).endswith(
+        "\nduring the engine calibration, in the 30 periods with no core idle: engines 1.85, rest of this run 0.05, "
+        "others + steal 0.10")
 
 
 def test_host_load_tells_this_runs_processes_from_the_hosts_others():

@@ -1,8 +1,13 @@
-"""The replicas/TTFT timeline figure of one or more runs."""
+"""The fleet's figures: the replicas/TTFT timeline of runs, and the validation's TTFTs over the host's CPUs."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from swiftkv.outputs import figure_png
+
+if TYPE_CHECKING:
+    from swiftkv.fleet.host_load import HostSample
 
 
 def timeline_png(timelines: dict[str, list[dict[str, float]]], slo_ttft_s: float) -> bytes:
@@ -27,7 +32,7 @@ def timeline_png(timelines: dict[str, list[dict[str, float]]], slo_ttft_s: float
     return figure_png(fig, dpi=110)
 
 
-def validation_png(per_request: list[dict], host: list) -> bytes:
+def validation_png(per_request: list[dict], host: list[HostSample]) -> bytes:
     """Each request's measured and simulated TTFT against its send time (top), and who had the host's
     CPUs meanwhile (bottom, stacked cores: the engines, the rest of this run, other processes, steal)."""
     import matplotlib

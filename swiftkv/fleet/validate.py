@@ -156,9 +156,10 @@ def _figures(ttfts: list[float | None], outputs: list[int], ends: list[float]) -
             "output_tokens_per_s": sum(outputs) / span, "requests_per_s": len(ok) / span}
 
 
-def measure_engines(cfg: ValidateConfig) -> Profile:
+def measure_engines(cfg: ValidateConfig, host: HostLoad) -> Profile:
     """``swiftkv calibrate`` of the serve config's model, ``cfg.replicas`` engines side by side on a
-    local Ray of its own (shut down before the endpoint starts), as the variant ``cfg.model``."""
+    local Ray of its own (shut down before the endpoint starts), as the variant ``cfg.model``;
+    ``host`` records the host's CPUs meanwhile (what the engines had then, to set beside the replay's)."""
     import ray
 
     from serve_apps.calibrate import calibrate
@@ -169,17 +170,19 @@ def measure_engines(cfg: ValidateConfig) -> Profile:
     print(f"measuring the engine profile of {options.model} ({cfg.replicas} side by side)", flush=True)
     ray.init(address="local", include_dashboard=False)
     try:
-        tree = calibrate([options], eng.input_lens, eng.batches, eng.num_prompts, eng.rounds, eng.decode_contexts,
-                         side_by_side=cfg.replicas)
+        with host:
+            tree = calibrate([options], eng.input_lens, eng.batches, eng.num_prompts, eng.rounds,
+                             eng.decode_contexts, side_by_side=cfg.replicas)
     finally:
         ray.shutdown()
     return parse_config(Profile, {"source": "swiftkv fleet validate (measure.engine)", **tree}, what="profile")
 
 
-def simulation_inputs(cfg: ValidateConfig) -> Profile:
-    """The profile to simulate with: measured now, or the configured file (checked before anything starts)."""
+def simulation_inputs(cfg: ValidateConfig, host: HostLoad | None = None) -> Profile:
+    """The profile to simulate with: measured now (``host`` records the CPUs meanwhile), or the
+    configured file (checked before anything starts)."""
     if cfg.measure:
-        return measure_engines(cfg)
+        return measure_engines(cfg, host or HostLoad())
     if cfg.profile is None:
         raise ValueError("the validate config needs `profile` when `measure` is null")
     return load_profile(cfg.profile)
@@ -200,7 +203,8 @@ def order_spread(fleet: FleetConfig, trace: Trace, profile: Profile, orders: int
 
 def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
     trace = cfg.traffic.build()
-    profile = simulation_inputs(cfg)
+    calibration_host = HostLoad()
+    profile = simulation_inputs(cfg, calibration_host)
     figures = profile.figures(cfg.model)
     fleet = FleetConfig(**cfg.fleet.model_dump(), model=cfg.model, static_replicas=cfg.replicas)
     with serving(cfg, figures.prefill_tokens_per_s) as url:
@@ -233,6 +237,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
         "config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
         "front_end": {k: getattr(fleet, k) for k in ("ingress_s", "ingress_latency_s")},
         "host_load": host.to_json(),
+        "calibration_host_load": calibration_host.summary(),
         "median_measured_over_simulated_ttft": statistics.median(slowdown) if slowdown else None,
         "measured": real, "simulated": sim, "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
         "simulated_over_measured": ratios,
@@ -282,4 +287,10 @@ def format_validation(result: dict[str, Any]) -> str:
                         f"{host['engines_when_saturated']:.2f}, rest of this run "
                         f"{host['ours_when_saturated'] - host['engines_when_saturated']:.2f}, others + steal "
                         f"{host['others_when_saturated'] + host['steal_when_saturated']:.2f}")
+    calibration = result.get("calibration_host_load")
+    if calibration and calibration["saturated_periods"]:
+        summary += (f"\nduring the engine calibration, in the {calibration['saturated_periods']} periods with no "
+                    f"core idle: engines {calibration['engines_when_saturated']:.2f}, rest of this run "
+                    f"{calibration['ours_when_saturated'] - calibration['engines_when_saturated']:.2f}, others + "
+                    f"steal {calibration['others_when_saturated'] + calibration['steal_when_saturated']:.2f}")
     return "\n".join(rows) + "\n\n" + summary
