@@ -391,7 +391,7 @@ def test_the_validation_table_names_each_ratio_and_the_replicas_slowdown():
         "(min / 5% / median / 95% / max); measured 17.10 s")
     result["host_load"] = {"summary": {
         "ours": 1.5, "engines": 1.25, "others": 0.25, "steal": 0.05, "idle": 0.2,
-        "others_plus_steal_worst_10_periods": 0.9, "saturated_periods": 40, "ours_when_saturated": 1.9,
+        "others_plus_steal_worst_10_s": 0.9, "saturated_periods": 40, "ours_when_saturated": 1.9,
         "engines_when_saturated": 1.6, "others_when_saturated": 0.05, "steal_when_saturated": 0.05}}
     assert format_validation(result).endswith(
         "host CPUs during the replay (mean cores): this run 1.50 (engines 1.25), other processes 0.25, steal 0.05, "

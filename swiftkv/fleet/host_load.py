@@ -103,9 +103,9 @@ class HostLoad:
         self._thread.join()
 
     def summary(self) -> dict[str, float]:
-        """Mean cores of each kind over the recording; the highest 10-period mean of the others plus
-        steal (a slow stretch hides in a mean); and, over the periods that left no core idle, how the
-        cores were shared (what the engines got when they had to share)."""
+        """Mean cores of each kind over the recording; the highest mean over any 10 s of the others
+        plus steal (a slow stretch hides in a mean); and, over the periods that left no core idle, how
+        the cores were shared (what the engines got when they had to share)."""
         if not self.samples:
             return {}
         kinds = ("ours", "engines", "others", "steal", "idle")
@@ -114,10 +114,10 @@ class HostLoad:
             return {k: sum(getattr(s, k) for s in samples) / len(samples) for k in kinds} if samples else {}
 
         taken = [s.others + s.steal for s in self.samples]
-        span = min(10, len(taken))
+        span = max(1, min(round(10.0 / self.period_s), len(taken)))
         worst = max(sum(taken[i:i + span]) / span for i in range(len(taken) - span + 1))
         saturated = [s for s in self.samples if s.idle < SATURATED_IDLE]
-        return {**mean(self.samples), "others_plus_steal_worst_10_periods": worst,
+        return {**mean(self.samples), "others_plus_steal_worst_10_s": worst,
                 "saturated_periods": len(saturated),
                 **{f"{k}_when_saturated": v for k, v in mean(saturated).items()}}
 

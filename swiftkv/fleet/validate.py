@@ -281,7 +281,7 @@ def format_validation(result: dict[str, Any]) -> str:
         summary += (f"\nhost CPUs during the replay (mean cores): this run {host['ours']:.2f} (engines "
                     f"{host['engines']:.2f}), other processes {host['others']:.2f}, steal {host['steal']:.2f}, "
                     f"idle {host['idle']:.2f}; others + steal in the worst 10 s: "
-                    f"{host['others_plus_steal_worst_10_periods']:.2f}")
+                    f"{host['others_plus_steal_worst_10_s']:.2f}")
         if host["saturated_periods"]:
             summary += (f"; in the {host['saturated_periods']} periods with no core idle: engines "
                         f"{host['engines_when_saturated']:.2f}, rest of this run "
