@@ -128,6 +128,7 @@ def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[in
     prompts = PromptMaker(vocab=min(32000, llm.llm_engine.vllm_config.model_config.get_vocab_size()), seed=1)
     for n in lens:  # warm-up at every shape, untimed
         offline_throughput(llm, prompts.batch(-n, num_prompts, n), 1)
+    timed_from = time.time()
 
     prefill = {}
     for n in lens:
@@ -157,6 +158,7 @@ def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[in
         "num_prompts": num_prompts,
         "rounds": rounds,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "timed_unix": [timed_from, time.time()],
     }
 
 

@@ -73,6 +73,27 @@ def test_the_front_end_passes_a_burst_one_request_at_a_time():
     assert result.requests[3].ttft_s == pytest.approx(0.65)
 
 
+def test_a_shared_host_slows_the_steps_started_while_every_replica_is_busy():
+    """Two replicas at 1000 tok/s sharing their host with the serving stack, slowdown 1.5: the first
+    300-token prompt starts on an idle host (0.3 s); the second, started while the other replica is
+    busy, takes 0.45 s; a lone one later 0.3 s again. Without the slowdown each takes 0.3 s. The
+    validation's slowdown is the engines' cores with none idle, calibration over serving."""
+    from swiftkv.fleet.validate import shared_host_slowdown
+
+    requests = [TraceRequest(0.0, 300, 1, blocks(0, 3)), TraceRequest(0.0, 300, 1, blocks(10, 3)),
+                TraceRequest(2.0, 300, 1, blocks(20, 3))]
+    slowed = run(requests, {"static_replicas": 2, "shared_host_slowdown": 1.5}, budget=4096)
+    assert sorted(r.replica for r in slowed.requests[:2]) == [0, 1]
+    assert [r.ttft_s for r in slowed.requests] == pytest.approx([0.3, 0.45, 0.3])
+    assert [r.ttft_s for r in run(requests, {"static_replicas": 2}, budget=4096).requests] == pytest.approx([0.3] * 3)
+    calibration = {"saturated_periods": 60, "engines_when_saturated": 1.93}
+    assert shared_host_slowdown(calibration, {"saturated_periods": 12, "engines_when_saturated": 1.72}) \
+        == pytest.approx(1.93 / 1.72)
+    assert shared_host_slowdown(calibration, {"saturated_periods": 12, "engines_when_saturated": 1.95}) == 1.0
+    assert shared_host_slowdown(calibration, {"saturated_periods": 0}) == 1.0
+    assert shared_host_slowdown({}, {"saturated_periods": 12, "engines_when_saturated": 1.72}) == 1.0
+
+
 def test_simultaneous_arrivals_in_another_order_change_the_percentiles_by_hand():
     """A 900-token and a 100-token prompt 10 ms apart, a lone 100-token one at 2 s; one replica at
     1000 tok/s, 500 tokens a step. 900 first: 500 of it to 0.5 s, then 400 + 100 to 0.9 s, TTFTs
@@ -399,15 +420,22 @@ def test_the_validation_table_names_each_ratio_and_the_replicas_slowdown():
         "rest of this run 0.30, others + steal 0.10")
     result["calibration_host_load"] = {**result["host_load"]["summary"], "saturated_periods": 30,
                                        "engines_when_saturated": 1.85}
+    result["warmup_host_load"] = {**result["host_load"]["summary"], "saturated_periods": 12,
+                                  "engines_when_saturated": 1.65}
+    result["shared_host_slowdown"] = 1.85 / 1.65
+    assert "\nduring the warm-up, in the 12 periods with no core idle: engines 1.65, rest of this run 0.25\n" \
+        "simulated steps started while every replica is busy: x1.12 (the engines' cores with none idle, calibration " \
+        "over warm-up)\n" in format_validation(result)
     assert format_validation(result).endswith(
-        "\nduring the engine calibration, in the 30 periods with no core idle: engines 1.85, rest of this run 0.05, "
-        "others + steal 0.10")
+        "\nduring the engine calibration's timed part (mean cores): engines 1.25, rest of this run 0.25, others + "
+        "steal 0.30, idle 0.20; in the 30 periods with no core idle: engines 1.85")
 
 
 def test_host_load_tells_this_runs_processes_from_the_hosts_others():
     """A child process that spins for 2 s counts as this run's (and, titled as vLLM's engine core
     process, as an engine); one started the same way but left to the init process (its shell exits at
-    once) counts as another process's. Either takes one core. The validation's figure draws them."""
+    once) counts as another process's. Either takes one core, in the summary of the periods it ran
+    (the window the validation takes the engine calibration's timed part by). The figure draws them."""
     import subprocess
     import sys
     import time
@@ -422,14 +450,11 @@ def test_host_load_tells_this_runs_processes_from_the_hosts_others():
         ours_until = time.time()
         subprocess.run(["sh", "-c", f"{sys.executable} -c '{spin}' >/dev/null 2>&1 &"], check=True)
         time.sleep(2.6)
-    def mean(kind: str, since: float, until: float) -> float:
-        picked = [getattr(s, kind) for s in host.samples if since <= host.started + s.t <= until]
-        return sum(picked) / len(picked)
-
-    child = (ours_until - 1.5, ours_until - 0.3)
-    orphan = (ours_until + 0.8, ours_until + 1.8)
-    assert mean("ours", *child) > 0.7 and mean("engines", *child) > 0.7 and mean("others", *child) < 0.4
-    assert mean("others", *orphan) > 0.7 and mean("ours", *orphan) < 0.3
+    child = host.summary((ours_until - 1.5, ours_until - 0.3))  # the periods that ended in this window
+    orphan = host.summary((ours_until + 0.8, ours_until + 1.8))
+    assert child["ours"] > 0.7 and child["engines"] > 0.7 and child["others"] < 0.4
+    assert orphan["others"] > 0.7 and orphan["ours"] < 0.3
+    assert host.summary((host.started - 10, host.started - 5)) == {}
     requests = [{"sent_s": 0.0, "ttft_s": 0.5, "simulated_ttft_s": 0.4}, {"sent_s": 1.0, "ttft_s": None,
                                                                         "simulated_ttft_s": 0.6}]
     assert validation_png(requests, host.samples).startswith(b"\x89PNG")

@@ -108,6 +108,13 @@ class FleetSettings(StrictConfig):
     """Seconds every request spends on its way through the front end and back beyond ``ingress_s``,
     in parallel with other requests (TTFTs count from arrival, so it adds to each)."""
 
+    shared_host_slowdown: float = Field(default=1.0, ge=1.0)
+    """Where the replicas share their host's cores with the endpoint's own processes (the front end,
+    the replicas' Serve actors, a load client: the validation's 2-core machine), those take CPU from
+    the engines once no core is idle: a step started while every replica is busy (the replicas filling
+    the host's cores) takes this many times as long as the profile says. 1 where the serving stack
+    has CPUs of its own (a GPU fleet); ``swiftkv fleet validate`` measures it on a shared host."""
+
     control_interval_s: float = Field(default=1.0, gt=0)
     """How often the autoscaling policy runs (Serve: every 0.1 s; its delays are in seconds, so a
     coarser tick changes little and runs faster)."""

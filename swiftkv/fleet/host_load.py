@@ -102,22 +102,27 @@ class HostLoad:
         self._stop.set()
         self._thread.join()
 
-    def summary(self) -> dict[str, float]:
-        """Mean cores of each kind over the recording; the highest mean over any 10 s of the others
-        plus steal (a slow stretch hides in a mean); and, over the periods that left no core idle, how
-        the cores were shared (what the engines got when they had to share)."""
-        if not self.samples:
+    def summary(self, between_unix: tuple[float, float] | None = None) -> dict[str, float]:
+        """Mean cores of each kind over the recording (or the periods that ended within
+        ``between_unix``, wall-clock seconds); the highest mean over any 10 s of the others plus steal
+        (a slow stretch hides in a mean); and, over the periods that left no core idle, how the cores
+        were shared (what the engines got when they had to share)."""
+        samples = self.samples
+        if between_unix is not None:
+            start, end = (u - self.started for u in between_unix)
+            samples = [s for s in samples if start < s.t <= end]
+        if not samples:
             return {}
         kinds = ("ours", "engines", "others", "steal", "idle")
 
         def mean(samples: list[HostSample]) -> dict[str, float]:
             return {k: sum(getattr(s, k) for s in samples) / len(samples) for k in kinds} if samples else {}
 
-        taken = [s.others + s.steal for s in self.samples]
+        taken = [s.others + s.steal for s in samples]
         span = max(1, min(round(10.0 / self.period_s), len(taken)))
         worst = max(sum(taken[i:i + span]) / span for i in range(len(taken) - span + 1))
-        saturated = [s for s in self.samples if s.idle < SATURATED_IDLE]
-        return {**mean(self.samples), "others_plus_steal_worst_10_s": worst,
+        saturated = [s for s in samples if s.idle < SATURATED_IDLE]
+        return {**mean(samples), "others_plus_steal_worst_10_s": worst,
                 "saturated_periods": len(saturated),
                 **{f"{k}_when_saturated": v for k, v in mean(saturated).items()}}
 

@@ -75,6 +75,10 @@ class ModelFigures(StrictConfig):
     measured_at: str | None = None
     """When (measured profiles)."""
 
+    timed_unix: tuple[float, float] | None = None
+    """Wall-clock seconds (Unix) between which the timed measurements ran, after the warm-up (the
+    first copy's, side by side): to set beside a record of the host's CPUs."""
+
     side_by_side: int = Field(default=1, gt=0)
     """Copies of the replica measured at once on one host (``swiftkv calibrate --side-by-side``;
     the medians): the figures of one replica among that many sharing the host."""

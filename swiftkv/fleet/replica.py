@@ -9,7 +9,8 @@ chunk is in a step gets its first token when the step ends, together with every 
 finishing there; requests arriving during a step join at the next one. Steps that would repeat
 identically (decode only, or one prompt taking the whole budget) run as one event, so the replica
 jumps from change to change instead of simulating every step; an arrival during a decode-only run
-cuts it at the next step boundary.
+cuts it at the next step boundary. A run's steps last ``pace()`` times that (the fleet's shared-host
+slowdown, read when the run starts).
 
 A request is admitted (at a step boundary; its KV reserved: its prompt's blocks, shared with any
 other request holding them, and room for its whole output) when it fits and the sequence cap allows;
@@ -23,6 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from serve_apps.load import LoadTracker, ReplicaLoad
@@ -56,9 +58,10 @@ class Replica:
     """One replica's engine between ``ready_s`` and its stop."""
 
     def __init__(self, number: int, figures: ModelFigures, costs: ReplicaCosts, capacity: float, block_tokens: int,
-                 started_s: float, ready_s: float) -> None:
+                 started_s: float, ready_s: float, pace: Callable[[], float] = lambda: 1.0) -> None:
         self.number = number
         self.costs = costs
+        self.pace = pace
         self.budget = figures.max_num_batched_tokens
         self.max_seqs = figures.max_num_seqs
         self.block_tokens = block_tokens
@@ -96,6 +99,7 @@ class Replica:
     def _plan(self, now: float) -> None:
         """Start the next run of identical steps at ``now`` (or go idle)."""
         batch = len(self.decoding)
+        pace = self.pace()
         decode_s = self.costs.decode_step_s(batch, self.context_tokens)
         room = max(0, self.budget - batch)
         until_decode_done = max(1, math.ceil(self.decoding[0][0] - self.steps - EPS)) if self.decoding else math.inf
@@ -104,7 +108,8 @@ class Replica:
             head = self.prefilling[0]
             if head.remaining > room:  # the head takes the whole budget, step after step
                 count = min(math.ceil(head.remaining / room) - 1, until_decode_done)
-                self.run = (now, decode_s + room / self.costs.prefill_rate(head.input_tokens), count, [(head, room)])
+                step_s = decode_s + room / self.costs.prefill_rate(head.input_tokens)
+                self.run = (now, step_s * pace, count, [(head, room)])
                 return
             for request in self.prefilling:
                 take = min(request.remaining, room)
@@ -116,7 +121,7 @@ class Replica:
             self.run = None
             return
         seconds = decode_s + sum(take / self.costs.prefill_rate(r.input_tokens) for r, take in chunks)
-        self.run = (now, seconds, 1 if chunks else until_decode_done, chunks)
+        self.run = (now, seconds * pace, 1 if chunks else until_decode_done, chunks)
 
     def next_event_s(self) -> float:
         """When the run in progress ends (``inf`` when idle)."""

@@ -59,7 +59,7 @@ def serve_figures(base: ModelFigures, curves: dict[str, Any], cfg: ValidateConfi
         **base.model_dump(), **curves, "prefill_tokens_per_s": prefill[max(prefill)],
         "decode_context_tokens": cal.decode_context_tokens, "num_prompts": cal.num_prompts,
         "rounds": cal.rounds, "side_by_side": cfg.replicas,
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timed_unix": None,
         "notes": f"timing measured through swiftkv serve ({cfg.serve_config}, {cfg.replicas} replicas, "
                  f"router {cfg.fleet.routing.router}); engine limits and start-up from the engine profile",
     })

@@ -9,6 +9,7 @@ and await; nothing here sleeps), so a run is deterministic for a given config an
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import math
 import random
@@ -109,11 +110,20 @@ class Simulation:
     def start_replica(self, ready_in_s: float) -> None:
         number = len(self.replicas)
         replica = Replica(number, self.figures, self.costs, self.capacity, self.block_tokens, self.now,
-                          self.now + ready_in_s)
+                          self.now + ready_in_s, functools.partial(self.pace, number))
         self.replicas[number] = replica
         self.handles[number] = SimReplicaHandle(replica, self.cfg.max_ongoing_requests)
         self.starting.append(number)
         self.push(replica.ready_s, READY, number)
+
+    def pace(self, number: int) -> float:
+        """How long replica ``number``'s steps take against the profile's: ``shared_host_slowdown``
+        while every other ready replica (draining ones too) is busy, the host then having no idle core
+        for the serving stack; 1 otherwise."""
+        if self.cfg.shared_host_slowdown == 1.0:
+            return 1.0
+        others = [r for n, r in self.replicas.items() if n != number and r.stopped_s is None and n not in self.starting]
+        return self.cfg.shared_host_slowdown if all(r.run is not None for r in others) else 1.0
 
     def stop_replicas(self, count: int) -> None:
         """Serve stops starting replicas first (newest first), then running ones; here the running

@@ -188,6 +188,15 @@ def simulation_inputs(cfg: ValidateConfig, host: HostLoad | None = None) -> Prof
     return load_profile(cfg.profile)
 
 
+def shared_host_slowdown(calibration: dict[str, float], serving: dict[str, float]) -> float:
+    """How much slower the engines run behind the endpoint than in their calibration when the host has
+    no idle core: the cores they had then in the calibration's timed part over those they had while
+    serving (the warm-up), at least 1; 1 when either never filled the host."""
+    if not calibration.get("saturated_periods") or not serving.get("saturated_periods"):
+        return 1.0
+    return max(1.0, calibration["engines_when_saturated"] / serving["engines_when_saturated"])
+
+
 def order_spread(fleet: FleetConfig, trace: Trace, profile: Profile, orders: int, tie_s: float) -> dict[str, Any]:
     """The simulated TTFT p50 and p90 over ``orders`` random orders of simultaneous arrivals: min, 5th
     percentile, median, 95th percentile and max (empty with no orders)."""
@@ -209,15 +218,18 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
     fleet = FleetConfig(**cfg.fleet.model_dump(), model=cfg.model, static_replicas=cfg.replicas)
     with serving(cfg, figures.prefill_tokens_per_s) as url:
         model = served_name(cfg)
+        warmup_host = HostLoad()
         if cfg.warmup_requests:
-            replay(url, model, window(trace, limit=cfg.warmup_requests), PROMPT_VOCAB, cfg.request_timeout_s,
-                   warmup=True)
+            with warmup_host:
+                replay(url, model, window(trace, limit=cfg.warmup_requests), PROMPT_VOCAB, cfg.request_timeout_s,
+                       warmup=True)
         if cfg.measure:
             front_end = measure_front_end(Burst(url, model, cfg.request_timeout_s), cfg.replicas,
                                           ReplicaCosts.from_figures(figures), cfg.measure.front_end)
             print(f"front end: {front_end['ingress_s'] * 1000:.0f} ms per request, one at a time, "
                   f"+ {front_end['ingress_latency_s'] * 1000:.0f} ms", flush=True)
-            fleet = fleet.model_copy(update=front_end)
+            slowdown = shared_host_slowdown(calibration_host.summary(figures.timed_unix), warmup_host.summary())
+            fleet = fleet.model_copy(update={**front_end, "shared_host_slowdown": slowdown})
         t0 = time.time()
         with HostLoad() as host:
             measured = replay(url, model, trace, PROMPT_VOCAB, cfg.request_timeout_s)
@@ -236,8 +248,10 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
     result = {
         "config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
         "front_end": {k: getattr(fleet, k) for k in ("ingress_s", "ingress_latency_s")},
+        "shared_host_slowdown": fleet.shared_host_slowdown,
         "host_load": host.to_json(),
-        "calibration_host_load": calibration_host.summary(),
+        "calibration_host_load": calibration_host.summary(figures.timed_unix),
+        "warmup_host_load": warmup_host.summary(),
         "median_measured_over_simulated_ttft": statistics.median(slowdown) if slowdown else None,
         "measured": real, "simulated": sim, "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
         "simulated_over_measured": ratios,
@@ -287,10 +301,20 @@ def format_validation(result: dict[str, Any]) -> str:
                         f"{host['engines_when_saturated']:.2f}, rest of this run "
                         f"{host['ours_when_saturated'] - host['engines_when_saturated']:.2f}, others + steal "
                         f"{host['others_when_saturated'] + host['steal_when_saturated']:.2f}")
+    warmup = result.get("warmup_host_load")
+    if warmup and warmup["saturated_periods"]:
+        summary += (f"\nduring the warm-up, in the {warmup['saturated_periods']} periods with no core idle: engines "
+                    f"{warmup['engines_when_saturated']:.2f}, rest of this run "
+                    f"{warmup['ours_when_saturated'] - warmup['engines_when_saturated']:.2f}")
+    if result.get("shared_host_slowdown", 1.0) != 1.0:
+        summary += (f"\nsimulated steps started while every replica is busy: x{result['shared_host_slowdown']:.2f} "
+                    "(the engines' cores with none idle, calibration over warm-up)")
     calibration = result.get("calibration_host_load")
-    if calibration and calibration["saturated_periods"]:
-        summary += (f"\nduring the engine calibration, in the {calibration['saturated_periods']} periods with no "
-                    f"core idle: engines {calibration['engines_when_saturated']:.2f}, rest of this run "
-                    f"{calibration['ours_when_saturated'] - calibration['engines_when_saturated']:.2f}, others + "
-                    f"steal {calibration['others_when_saturated'] + calibration['steal_when_saturated']:.2f}")
+    if calibration:
+        summary += (f"\nduring the engine calibration's timed part (mean cores): engines {calibration['engines']:.2f}, "
+                    f"rest of this run {calibration['ours'] - calibration['engines']:.2f}, others + steal "
+                    f"{calibration['others'] + calibration['steal']:.2f}, idle {calibration['idle']:.2f}")
+        if calibration["saturated_periods"]:
+            summary += (f"; in the {calibration['saturated_periods']} periods with no core idle: engines "
+                        f"{calibration['engines_when_saturated']:.2f}")
     return "\n".join(rows) + "\n\n" + summary
