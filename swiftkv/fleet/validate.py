@@ -3,10 +3,11 @@ against a real ``swiftkv serve`` endpoint (fixed replicas, started here and stop
 through the simulator; TTFT p50/p90 and throughput are compared.
 
 What the simulator runs on is measured on this machine in the same command, just before the replay
-(``measure``): the engine profile (``swiftkv calibrate``, the replicas side by side) and the
-endpoint's front end (:mod:`swiftkv.fleet.front_end`). On a shared host the speed drifts by the
-hour (this machine: the same replay's TTFT p50 3.1-3.8 s one day, 1.9 s the next), so figures from
-another hour would compare the simulator with another machine.
+(``measure``): the engine profile (``swiftkv calibrate``, the replicas side by side), the
+endpoint's front end (:mod:`swiftkv.fleet.front_end`) and the shared-host slowdown (the cores the
+engines had with none idle while calibrated over those they had serving the warm-up). On a shared
+host the speed drifts by the hour (this machine: the same replay's TTFT p50 3.1-3.8 s one day, 1.9 s
+the next), so figures from another hour would compare the simulator with another machine.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ class ValidateConfig(StrictConfig):
     when ``measure`` is off, and the engine limits ``calibrate-serve`` keeps."""
 
     measure: ValidateMeasurement | None = ValidateMeasurement()
-    """Measure the engine profile and the front end here, just before the replay, and simulate with
-    them (written beside the validation as ``profile.json``); ``null``: simulate with ``profile``
-    and ``fleet`` as given."""
+    """Measure the engine profile, the front end and the shared-host slowdown here, just before the
+    replay, and simulate with them (written beside the validation as ``profile.json``); ``null``:
+    simulate with ``profile`` and ``fleet`` as given."""
 
     model: str = "swiftkv-50"
     """The profile's variant the served model is."""
@@ -76,7 +77,8 @@ class ValidateConfig(StrictConfig):
     warmup_requests: int = Field(default=26, ge=0)
     """Untimed requests of the slice's first lengths and times, with other tokens, before the replay.
     26 covers the committed slice's first two bursts, its largest among them, so the replicas have run
-    steps of their full token budget before the timed replay starts."""
+    steps of their full token budget before the timed replay starts. The host's CPUs are recorded
+    meanwhile: the serving side of the shared-host slowdown."""
 
     arrival_orders: int = Field(default=60, ge=0)
     """Also simulate the slice this many times with each group of simultaneous arrivals (``tie_s``) in
@@ -229,6 +231,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
             print(f"front end: {front_end['ingress_s'] * 1000:.0f} ms per request, one at a time, "
                   f"+ {front_end['ingress_latency_s'] * 1000:.0f} ms", flush=True)
             slowdown = shared_host_slowdown(calibration_host.summary(figures.timed_unix), warmup_host.summary())
+            print(f"shared-host slowdown: x{slowdown:.2f}", flush=True)
             fleet = fleet.model_copy(update={**front_end, "shared_host_slowdown": slowdown})
         t0 = time.time()
         with HostLoad() as host:
