@@ -185,7 +185,11 @@ def _all_or_first_error(refs: list) -> list:
     try:
         return ray.get(refs)
     except Exception:
-        for ref in refs:
+        # Only the copies still running: cancelling the one that just failed races Ray's own
+        # completion of it, which Ray 2.60 answers by aborting this process ("Tried to complete task
+        # that was not pending", seen once in the test of this).
+        _, running = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in running:
             ray.cancel(ref, force=True)
         raise
 
