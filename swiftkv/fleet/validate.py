@@ -220,6 +220,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
     fleet = FleetConfig(**cfg.fleet.model_dump(), model=cfg.model, static_replicas=cfg.replicas)
     with serving(cfg, figures.prefill_tokens_per_s) as url:
         model = served_name(cfg)
+        calibration_cores = calibration_host.summary(figures.timed_unix)  # {} when not measured here
         warmup_host = HostLoad()
         if cfg.warmup_requests:
             with warmup_host:
@@ -230,7 +231,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
                                           ReplicaCosts.from_figures(figures), cfg.measure.front_end)
             print(f"front end: {front_end['ingress_s'] * 1000:.0f} ms per request, one at a time, "
                   f"+ {front_end['ingress_latency_s'] * 1000:.0f} ms", flush=True)
-            slowdown = shared_host_slowdown(calibration_host.summary(figures.timed_unix), warmup_host.summary())
+            slowdown = shared_host_slowdown(calibration_cores, warmup_host.summary())
             print(f"shared-host slowdown: x{slowdown:.2f}", flush=True)
             fleet = fleet.model_copy(update={**front_end, "shared_host_slowdown": slowdown})
         t0 = time.time()
@@ -253,7 +254,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
         "front_end": {k: getattr(fleet, k) for k in ("ingress_s", "ingress_latency_s")},
         "shared_host_slowdown": fleet.shared_host_slowdown,
         "host_load": host.to_json(),
-        "calibration_host_load": calibration_host.summary(figures.timed_unix),
+        "calibration_host_load": calibration_cores,
         "warmup_host_load": warmup_host.summary(),
         "median_measured_over_simulated_ttft": statistics.median(slowdown) if slowdown else None,
         "measured": real, "simulated": sim, "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
