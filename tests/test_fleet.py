@@ -101,7 +101,7 @@ def test_simultaneous_arrivals_in_another_order_change_the_percentiles_by_hand()
     TTFTs 0.1 / 0.99 / 0.1 (p50 0.1, p90 0.99). Shuffling keeps every request and the arrival times
     and groups only arrivals within ``tie_s``."""
     from swiftkv.fleet.trace import shuffle_simultaneous
-    from swiftkv.fleet.validate import order_spread
+    from swiftkv.fleet.validate import order_runs, order_spread
 
     trace = Trace((TraceRequest(0.0, 900, 1, blocks(0, 9)), TraceRequest(0.01, 100, 1, (50,)),
                    TraceRequest(2.0, 100, 1, (60,))), 100)
@@ -111,10 +111,10 @@ def test_simultaneous_arrivals_in_another_order_change_the_percentiles_by_hand()
     assert shuffle_simultaneous(trace, 0.0, 3) == trace  # 10 ms apart: not simultaneous at 0
     fleet = FleetConfig(model="m", static_replicas=1)
     profile = Profile(models={"m": figures(budget=500)})
-    spread = order_spread(fleet, trace, profile, 20, 0.05)
+    spread = order_spread(order_runs(fleet, trace, profile, 20, 0.05))
     assert spread["ttft_p50_s"]["min"] == pytest.approx(0.1) and spread["ttft_p50_s"]["max"] == pytest.approx(0.99)
     assert spread["ttft_p90_s"]["min"] == pytest.approx(0.99) and spread["ttft_p90_s"]["max"] == pytest.approx(1.0)
-    assert order_spread(fleet, trace, profile, 0, 0.05) == {}
+    assert order_spread(order_runs(fleet, trace, profile, 0, 0.05)) == {}
 
 
 def test_queued_prompts_wait_their_turn_and_a_cached_prefix_is_not_recomputed():
@@ -335,6 +335,87 @@ def test_a_validation_without_measure_needs_a_profile():
     assert simulation_inputs(given) == load_profile(PROFILES / "cpu-smollm2.json")
 
 
+def test_each_replay_pass_has_its_own_token_ids_with_the_traces_sharing():
+    """A salted pass keeps which prompts share which blocks and shares no block with another pass or
+    the warm-up (so no pass finds another's prefix cache); its ids stay in the prompt vocabulary."""
+    from swiftkv.fleet.replay import FIRST_TOKEN_ID, PASS_SALT, PROMPT_VOCAB, WARMUP_SALT, prompt_ids, salted
+
+    trace = Trace((TraceRequest(0.0, 48, 1, (1, 2, 3)), TraceRequest(1.0, 40, 1, (1, 2, 4))), 16)
+    base = [prompt_ids(r, i, 16, PROMPT_VOCAB) for i, r in enumerate(trace.requests)]
+    assert base[0][:32] == base[1][:32] and base[0][32:40] != base[1][32:40]
+    passes = {salt: [salted(p, salt, PROMPT_VOCAB) for p in base]
+              for salt in [WARMUP_SALT, *(k * PASS_SALT for k in range(10))]}
+    assert passes[0] == base
+    blocks_by_salt = {}
+    for salt, prompts in passes.items():
+        assert prompts[0][:32] == prompts[1][:32] and [len(p) for p in prompts] == [48, 40]
+        assert all(FIRST_TOKEN_ID <= t < PROMPT_VOCAB for p in prompts for t in p)
+        blocks_by_salt[salt] = {tuple(p[i:i + 16]) for p in prompts for i in range(0, len(p), 16)}
+    every = [b for blocks in blocks_by_salt.values() for b in blocks]
+    assert len(every) == len(set(every)) == 11 * 4
+
+
+def test_repeated_passes_are_pooled_by_hand():
+    """Two passes: TTFTs pooled before the percentiles (nearest rank over 0.1..0.6: p50 0.3, p90 0.6;
+    the passes' own are 0.3 / 0.5 and 0.4 / 0.6), throughput over the sum of the passes' spans (the
+    pause between them left out): 12 tokens over 2.5 + 3.5 s."""
+    from swiftkv.fleet.validate import pooled_figures
+
+    def record(sent, ttft, latency, tokens=2):
+        return {"sent_s": sent, "ttft_s": ttft, "latency_s": latency, "output_tokens": tokens}
+
+    first = [record(0.0, 0.1, 1.0), record(1.0, 0.3, 1.5), record(1.5, 0.5, 0.5)]
+    second = [record(0.0, 0.2, 1.0), record(2.0, 0.4, 1.5), record(2.5, 0.6, 0.5)]
+    pooled = pooled_figures([first, second])
+    assert pooled["requests"] == 6 and pooled["failed"] == 0
+    assert (pooled["ttft_p50_s"], pooled["ttft_p90_s"]) == (0.3, 0.6)
+    assert pooled["output_tokens_per_s"] == pytest.approx(12 / 6)
+    second[2] = record(2.5, None, None, None)  # a failed request: counted, not timed, its span not extended
+    pooled = pooled_figures([first, second])
+    assert pooled["failed"] == 1 and pooled["output_tokens_per_s"] == pytest.approx(10 / 6)
+
+
+def test_a_saved_validation_is_simulated_again_by_hand(tmp_path, capsys):
+    """`swiftkv fleet resimulate` on a hand-made validation folder: the slice of the order test above
+    (simulated in the trace's order: TTFTs 1.0 / 0.99 / 0.1), two measured passes (1.1 / 1.0 / 0.2 and
+    0.9 / 1.2 / 0.1, pooled p50 0.9 and p90 1.2), no random orders: ratios 1.1 and 0.83, and each
+    measured request beside its simulated TTFT. With random orders the simulated figures pool them
+    with the trace's order (p50 0.1 or 0.99), and the trace's order alone is kept beside them."""
+    from swiftkv.cli import main
+    from swiftkv.fleet.profile import profile_json
+    from swiftkv.fleet.validate import ValidateConfig, resimulate
+
+    write_trace(Trace((TraceRequest(0.0, 900, 1, blocks(0, 2)), TraceRequest(0.01, 100, 1, (50,)),
+                       TraceRequest(2.0, 100, 1, (60,))), 512), tmp_path / "slice.jsonl")
+    (tmp_path / "profile.json").write_text(profile_json(Profile(models={"m": figures(budget=500)})))
+    cfg = ValidateConfig(traffic=TrafficConfig(trace=str(tmp_path / "slice.jsonl")), measure=None, model="m",
+                         replicas=1, arrival_orders=0, tie_s=0.05)
+
+    def record(k, sent, ttft):
+        return {"sent_s": sent, "ttft_s": ttft, "latency_s": ttft + 0.01, "output_tokens": 1, "error": "",
+                "pass": k, "pass_start_s": 10.0 * k, "simulated_ttft_s": 123.0}  # the last is dropped
+
+    saved = {"config": cfg.model_dump(mode="json"), "requests": 3, "front_end": {"ingress_s": 0.0,
+             "ingress_latency_s": 0.0}, "shared_host_slowdown": 1.0, "per_request": [
+             record(0, 0.0, 1.1), record(0, 0.01, 1.0), record(0, 2.0, 0.2),
+             record(1, 0.0, 0.9), record(1, 0.01, 1.2), record(1, 2.0, 0.1)]}
+    (tmp_path / "validation.json").write_text(json.dumps(saved))
+    result = resimulate(str(tmp_path))
+    assert (result["measured"]["ttft_p50_s"], result["measured"]["ttft_p90_s"]) == (0.9, 1.2)
+    assert result["simulated"]["ttft_p50_s"] == pytest.approx(0.99) and result["simulated"]["ttft_p90_s"] == 1.0
+    assert result["simulated_over_measured"]["ttft_p50_s"] == pytest.approx(1.1)
+    assert [(m["pass"], m["ttft_s"]) for m in result["per_request"]] == [
+        (0, 1.1), (0, 1.0), (0, 0.2), (1, 0.9), (1, 1.2), (1, 0.1)]
+    assert [m["simulated_ttft_s"] for m in result["per_request"]] == pytest.approx([1.0, 0.99, 0.1] * 2)
+    saved["config"]["arrival_orders"] = 20
+    (tmp_path / "validation.json").write_text(json.dumps(saved))
+    assert main(["fleet", "resimulate", "--from", str(tmp_path), "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "resimulation.json").read_text())
+    assert again["simulated"]["ttft_p50_s"] in (pytest.approx(0.1), pytest.approx(0.99))
+    assert again["simulated_in_trace_order"]["ttft_p50_s"] == pytest.approx(0.99)
+    assert "simulated: pooled over the trace's order and 20 random orders" in capsys.readouterr().out
+
+
 def test_the_cli_names_a_bad_config_key(tmp_path, capsys):
     from swiftkv.cli import main
 
@@ -429,6 +510,11 @@ def test_the_validation_table_names_each_ratio_and_the_replicas_slowdown():
     assert format_validation(result).endswith(
         "\nduring the engine calibration's timed part (mean cores): engines 1.25, rest of this run 0.25, others + "
         "steal 0.30, idle 0.20; in the 30 periods with no core idle: engines 1.85")
+    result["measured_per_pass"] = [{"ttft_p50_s": 8.0, "ttft_p90_s": 16.0, "output_tokens_per_s": 7.2, "failed": 0},
+                                   {"ttft_p50_s": None, "ttft_p90_s": None, "output_tokens_per_s": 0.0, "failed": 3}]
+    assert "per request: 1.36\nmeasured: the 2 passes below pooled\npass 1: TTFT p50 8.00 s, p90 16.00 s, 7.20 " \
+        "output tokens/s, 0 failed\npass 2: TTFT p50 nan s, p90 nan s, 0.00 output tokens/s, 3 failed\nsimulated " \
+        "TTFT p90" in format_validation(result)
 
 
 def test_host_load_tells_this_runs_processes_from_the_hosts_others():

@@ -2,7 +2,7 @@
 prefill cost on CPU). The prefill-aware router prefers an idle replica over one with a long prompt
 queued, and a replica killed by its pid under a bounded load is replaced by Serve while the other
 keeps answering, every request ending answered or refused with a status; the through-Serve
-calibration and the validation's front-end measurement measure on it."""
+calibration and the validation's front-end measurement and repeated replay run on it."""
 
 from __future__ import annotations
 
@@ -100,6 +100,25 @@ def test_the_front_end_is_measured_through_the_endpoint(endpoint):
     assert set(front) == {"ingress_s", "ingress_latency_s"}
     assert front["ingress_s"] >= 0 and front["ingress_latency_s"] >= 0
     assert front["ingress_s"] + front["ingress_latency_s"] < 3 * lone
+
+
+def test_the_validation_replays_its_slice_in_passes_through_the_endpoint(endpoint):
+    """`swiftkv fleet validate`'s repeated replay on this real endpoint: two passes of a three-request
+    slice, every request answered with its tokens, each pass after the last one's end and the pause."""
+    from swiftkv.fleet.host_load import HostLoad
+    from swiftkv.fleet.trace import Trace, TraceRequest
+    from swiftkv.fleet.validate import ValidateConfig, pooled_figures, replay_passes
+
+    trace = Trace((TraceRequest(0.0, 32, 2, (1, 2)), TraceRequest(0.2, 48, 2, (1, 2, 3)),
+                   TraceRequest(0.4, 32, 2, (4, 5))), 16)
+    cfg = ValidateConfig(traffic={"trace": "unused.jsonl"}, replays=2, replay_pause_s=0.5, request_timeout_s=180)
+    with HostLoad() as host:
+        passes = replay_passes(endpoint.url, "routed", trace, cfg, host)
+    assert [[m["pass"] for m in one] for one in passes] == [[0, 0, 0], [1, 1, 1]]
+    assert all(m["output_tokens"] == 2 and m["ttft_s"] > 0 for one in passes for m in one)
+    first_end = passes[0][0]["pass_start_s"] + max(m["sent_s"] + m["latency_s"] for m in passes[0])
+    assert passes[1][0]["pass_start_s"] >= first_end + 0.5
+    assert pooled_figures(passes)["requests"] == 6
 
 
 def _replica_pids(deployment: str) -> list[int]:

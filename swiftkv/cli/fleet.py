@@ -43,6 +43,15 @@ def add_parser(subparsers) -> None:
                            help="override a config key, dotted (e.g. calibration.batches=[1,4,8]); repeatable")
     serve_cal.add_argument("--out", required=True, help="profile to write (JSON)")
     serve_cal.set_defaults(func=run)
+    resim = actions.add_parser(
+        "resimulate", help="compare a saved validation's measurements with this code's simulator",
+        description="Read a `swiftkv fleet validate` output folder (validation.json, profile.json), simulate "
+        "its slice again with the profile, front end and shared-host slowdown it measured, and print the "
+        "comparison with its measured passes: a change to the simulator checked against real measurements "
+        "in seconds, without replaying.")
+    resim.add_argument("--from", dest="folder", required=True, help="the validation's output folder (or URI)")
+    resim.add_argument("--out", help="also write the comparison as resimulation.json in this folder (or URI)")
+    resim.set_defaults(func=run)
     derive = actions.add_parser("derive-h100", help="derive the H100 profile from the paper's figures",
                                 description="Write the Llama-3.1-8B on one H100 profile derived (not measured) "
                                 "from the SwiftKV paper's figures (swiftkv/fleet/paper_profile.py) and print "
@@ -74,6 +83,15 @@ def run(args: argparse.Namespace) -> int:
         save_profile(profile, args.out)
         print(json.dumps(profile.model_dump(mode="json", exclude_defaults=True), indent=1))
         print(f"wrote {args.out}")
+    elif args.action == "resimulate":
+        from swiftkv.fleet.validate import format_validation, resimulate
+        from swiftkv.outputs import write_files
+
+        result = resimulate(args.folder)
+        print(format_validation(result))
+        if args.out:
+            write_files(args.out, {"resimulation.json": json.dumps(result, indent=1).encode()})
+            print(f"wrote {args.out}/resimulation.json")
     elif args.action == "simulate":
         from swiftkv.fleet.config import SimulateConfig
         from swiftkv.fleet.run import run_simulate

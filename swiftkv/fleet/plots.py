@@ -33,15 +33,16 @@ def timeline_png(timelines: dict[str, list[dict[str, float]]], slo_ttft_s: float
 
 
 def validation_png(per_request: list[dict], host: list[HostSample]) -> bytes:
-    """Each request's measured and simulated TTFT against its send time (top), and who had the host's
-    CPUs meanwhile (bottom, stacked cores: the engines, the rest of this run, other processes, steal)."""
+    """Each request's measured and simulated TTFT against its send time (top; a repeated replay's
+    passes one after another), and who had the host's CPUs meanwhile (bottom, stacked cores: the
+    engines, the rest of this run, other processes, steal)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, height_ratios=(2, 1))
-    sent = [r["sent_s"] for r in per_request]
+    sent = [r["sent_s"] + r.get("pass_start_s", 0.0) for r in per_request]
     top.scatter(sent, [r["ttft_s"] if r["ttft_s"] is not None else float("nan") for r in per_request],
                 s=10, label="measured")
     top.scatter(sent, [r["simulated_ttft_s"] for r in per_request], s=10, marker="x", label="simulated")
@@ -54,5 +55,5 @@ def validation_png(per_request: list[dict], host: list[HostSample]) -> bytes:
                          labels=["vLLM engines", "rest of this run", "other processes", "steal"], step="pre")
         bottom.legend(fontsize=8, loc="upper right")
     bottom.set_ylabel("host cores")
-    bottom.set_xlabel("seconds into the replay")
+    bottom.set_xlabel("seconds into the replay (its passes in turn)")
     return figure_png(fig, dpi=110)

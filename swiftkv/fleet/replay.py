@@ -20,6 +20,8 @@ from swiftkv.fleet.trace import Trace, TraceRequest
 BURST_BLOCK_TOKENS = 16  # prompt blocks of a Burst's requests (each request's first one is new)
 FIRST_TOKEN_ID = 10  # below this, special tokens in most vocabularies
 PROMPT_VOCAB = 32000  # prompt ids drawn below this: every model served here has a larger vocabulary
+WARMUP_SALT = 7919  # a warm-up's ids: the trace's shifted by this (see `salted`)
+PASS_SALT = 104729  # pass k of a replay repeated: the trace's shifted by k times this
 
 
 def prompt_ids(request: TraceRequest, index: int, block_tokens: int, vocab: int) -> list[int]:
@@ -35,14 +37,18 @@ def prompt_ids(request: TraceRequest, index: int, block_tokens: int, vocab: int)
     return ids[: request.input_tokens]
 
 
+def salted(prompt: list[int], salt: int, vocab: int) -> list[int]:
+    """``prompt`` with every id shifted by ``salt`` (within ``FIRST_TOKEN_ID..vocab``): prompts that
+    shared a prefix still share it, and none shares a block with the unsalted ones (salt 0: as is)."""
+    return [(t - FIRST_TOKEN_ID + salt) % (vocab - FIRST_TOKEN_ID) + FIRST_TOKEN_ID for t in prompt]
+
+
 async def _send_all(base_url: str, model: str, trace: Trace, vocab: int, timeout_s: float,
                     salt: int) -> list[dict[str, Any]]:
     import aiohttp
     from vllm.benchmarks.lib.endpoint_request_func import RequestFuncInput, async_request_openai_completions
 
-    prompts = [prompt_ids(r, i, trace.block_tokens, vocab) for i, r in enumerate(trace.requests)]
-    if salt:  # a warm-up pass: the same shapes, none of the trace's blocks
-        prompts = [[(t + salt) % (vocab - FIRST_TOKEN_ID) + FIRST_TOKEN_ID for t in p] for p in prompts]
+    prompts = [salted(prompt_ids(r, i, trace.block_tokens, vocab), salt, vocab) for i, r in enumerate(trace.requests)]
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         start = time.perf_counter()
@@ -61,11 +67,11 @@ async def _send_all(base_url: str, model: str, trace: Trace, vocab: int, timeout
 
 
 def replay(base_url: str, model: str, trace: Trace, vocab: int, timeout_s: float = 600.0,
-           warmup: bool = False) -> list[dict[str, Any]]:
+           salt: int = 0) -> list[dict[str, Any]]:
     """Send ``trace`` to ``base_url`` (``http://host:port``); one record per request, in trace order.
-    ``warmup``: the same lengths and timing with other token ids (nothing of it is cached for the real
-    pass)."""
-    return asyncio.run(_send_all(base_url, model, trace, vocab, timeout_s, 7919 if warmup else 0))
+    ``salt``: the same lengths and timing with every token id shifted (:func:`salted`), so nothing an
+    earlier pass with another salt left in the prefix cache is found (a warm-up, a repeated pass)."""
+    return asyncio.run(_send_all(base_url, model, trace, vocab, timeout_s, salt))
 
 
 class Burst:

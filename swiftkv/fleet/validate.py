@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import fsspec
 from pydantic import Field
 
 from serve_apps.load import percentile
@@ -32,9 +33,9 @@ from swiftkv.fleet.front_end import measure_front_end
 from swiftkv.fleet.host_load import HostLoad
 from swiftkv.fleet.plots import validation_png
 from swiftkv.fleet.profile import Profile, ReplicaCosts, load_profile, profile_json
-from swiftkv.fleet.replay import PROMPT_VOCAB, Burst, replay
+from swiftkv.fleet.replay import PASS_SALT, PROMPT_VOCAB, WARMUP_SALT, Burst, replay
 from swiftkv.fleet.results import summarize
-from swiftkv.fleet.simulator import simulate
+from swiftkv.fleet.simulator import RunResult, simulate
 from swiftkv.fleet.trace import Trace, shuffle_simultaneous, window
 from swiftkv.outputs import write_files
 from swiftkv.yaml_config import StrictConfig, parse_config, read_yaml_mapping
@@ -73,6 +74,15 @@ class ValidateConfig(StrictConfig):
 
     metrics_port: int = Field(default=8041, gt=0)
     """Ray's metrics port of the served application."""
+
+    replays: int = Field(default=1, gt=0)
+    """Replay the slice this many times (each pass with its own token ids, so none finds another's
+    prefix cache) and compare the simulator with the TTFTs and throughput of all passes pooled: on a
+    shared host one pass's p90 moves by 10-15% from run to run (each pass's figures are kept too)."""
+
+    replay_pause_s: float = Field(default=5.0, ge=0)
+    """Wait between passes, so each starts on idle replicas and a router whose figures show them idle
+    (the simulation starts so)."""
 
     warmup_requests: int = Field(default=26, ge=0)
     """Untimed requests of the slice's first lengths and times, with other tokens, before the replay.
@@ -150,9 +160,9 @@ def serving(cfg: ValidateConfig, prefill_tokens_per_s: float):
                 proc.wait()
 
 
-def _figures(ttfts: list[float | None], outputs: list[int], ends: list[float]) -> dict[str, Any]:
+def _figures(ttfts: list[float | None], outputs: list[int], span: float) -> dict[str, Any]:
+    """TTFT percentiles and throughput over ``span`` seconds (the sum of the passes' spans when pooled)."""
     ok = [t for t in ttfts if t is not None]
-    span = max(ends) if ends else float("nan")
     return {"requests": len(ttfts), "failed": len(ttfts) - len(ok),
             "ttft_p50_s": percentile(ok, 50) if ok else None, "ttft_p90_s": percentile(ok, 90) if ok else None,
             "output_tokens_per_s": sum(outputs) / span, "requests_per_s": len(ok) / span}
@@ -199,10 +209,15 @@ def shared_host_slowdown(calibration: dict[str, float], serving: dict[str, float
     return max(1.0, calibration["engines_when_saturated"] / serving["engines_when_saturated"])
 
 
-def order_spread(fleet: FleetConfig, trace: Trace, profile: Profile, orders: int, tie_s: float) -> dict[str, Any]:
-    """The simulated TTFT p50 and p90 over ``orders`` random orders of simultaneous arrivals: min, 5th
-    percentile, median, 95th percentile and max (empty with no orders)."""
-    runs = [simulate(fleet, shuffle_simultaneous(trace, tie_s, seed), profile) for seed in range(orders)]
+def order_runs(fleet: FleetConfig, trace: Trace, profile: Profile, orders: int, tie_s: float) -> list[RunResult]:
+    """The slice simulated ``orders`` times, each with every group of simultaneous arrivals (within
+    ``tie_s``) in a random order (seeds 0..orders-1)."""
+    return [simulate(fleet, shuffle_simultaneous(trace, tie_s, seed), profile) for seed in range(orders)]
+
+
+def order_spread(runs: list[RunResult]) -> dict[str, Any]:
+    """The simulated TTFT p50 and p90 over ``runs`` (:func:`order_runs`): min, 5th percentile, median,
+    95th percentile and max (empty with no runs)."""
     spread = {}
     for key, q in (("ttft_p50_s", 50), ("ttft_p90_s", 90)):
         values = [percentile([r.ttft_s for r in run.requests if r.ttft_s is not None], q) for run in runs]
@@ -210,6 +225,109 @@ def order_spread(fleet: FleetConfig, trace: Trace, profile: Profile, orders: int
             spread[key] = {"min": min(values), "p5": percentile(values, 5), "median": statistics.median(values),
                            "p95": percentile(values, 95), "max": max(values)}
     return spread
+
+
+def _run_figures(runs: list[RunResult]) -> dict[str, Any]:
+    """Simulated runs' TTFT percentiles over all their requests together and their throughput over the
+    sum of their spans (one run: its own figures)."""
+    done = [[r for r in run.requests if r.finish_s is not None] for run in runs]
+    return _figures([r.ttft_s for run in runs for r in run.requests], [r.output_tokens for one in done for r in one],
+                    sum(max((r.finish_s for r in one), default=float("nan")) for one in done))
+
+
+def _span(records: list[dict[str, Any]]) -> float:
+    """A pass's seconds from its start to its last answer."""
+    return max(m["sent_s"] + (m["latency_s"] or 0) for m in records)
+
+
+def _pass_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
+    return _figures([m["ttft_s"] for m in records], [m["output_tokens"] or 0 for m in records], _span(records))
+
+
+def pooled_figures(passes: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The passes' TTFT percentiles over all their requests together, and their throughput over the
+    sum of their spans (the pauses between them left out)."""
+    records = [m for one in passes for m in one]
+    return _figures([m["ttft_s"] for m in records], [m["output_tokens"] or 0 for m in records],
+                    sum(_span(one) for one in passes))
+
+
+def _pass_line(figures: dict[str, Any]) -> str:
+    p50, p90 = (figures[k] if figures[k] is not None else float("nan") for k in ("ttft_p50_s", "ttft_p90_s"))
+    return f"TTFT p50 {p50:.2f} s, p90 {p90:.2f} s, {figures['output_tokens_per_s']:.2f} output tokens/s, " \
+        f"{figures['failed']} failed"
+
+
+def replay_passes(url: str, model: str, trace: Trace, cfg: ValidateConfig,
+                  host: HostLoad) -> list[list[dict[str, Any]]]:
+    """The slice replayed ``cfg.replays`` times, ``cfg.replay_pause_s`` apart, pass k with its token ids
+    salted by k (pass 0: the trace's own). Each record also has its ``pass`` and ``pass_start_s`` (its
+    pass's start in seconds from ``host``'s, where the figure places it)."""
+    passes = []
+    for k in range(cfg.replays):
+        if k:
+            time.sleep(cfg.replay_pause_s)
+        print(f"replaying the slice: pass {k + 1} of {cfg.replays} ({len(trace.requests)} requests)", flush=True)
+        start_s = time.time() - host.started
+        records = replay(url, model, trace, PROMPT_VOCAB, cfg.request_timeout_s, salt=k * PASS_SALT)
+        passes.append([{**m, "pass": k, "pass_start_s": start_s} for m in records])
+        print(f"pass {k + 1}: {_pass_line(_pass_figures(passes[-1]))}", flush=True)
+    return passes
+
+
+def compare(cfg: ValidateConfig, fleet: FleetConfig, trace: Trace, profile: Profile,
+            passes: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The replayed ``passes`` against the simulator on the same slice: the simulated figures pooled
+    over the trace's order and ``cfg.arrival_orders`` random orders of simultaneous arrivals (on the
+    endpoint each pass gets the order its front end accepts a burst in, which the replay does not
+    control), their ratios to the measured (all passes pooled), and every request's measured TTFT
+    beside its simulated one in the trace's order."""
+    measured = [m for records in passes for m in records]
+    real = pooled_figures(passes)
+    run = simulate(fleet, trace, profile)
+    orders = order_runs(fleet, trace, profile, cfg.arrival_orders, cfg.tie_s)
+    sim = _run_figures([run, *orders])
+    simulated = run.requests * len(passes)  # the simulation starts cold as every pass does: one run for all
+    ratios = {k: sim[k] / real[k] for k in ("ttft_p50_s", "ttft_p90_s", "output_tokens_per_s")
+              if real[k] and sim[k] is not None}
+    spread = order_spread(orders)
+    # How much slower the real replicas ran than the simulated ones, request by request.
+    slowdown = [m["ttft_s"] / r.ttft_s for m, r in zip(measured, simulated, strict=True) if m["ttft_s"] and r.ttft_s]
+    return {
+        "front_end": {k: getattr(fleet, k) for k in ("ingress_s", "ingress_latency_s")},
+        "shared_host_slowdown": fleet.shared_host_slowdown,
+        "median_measured_over_simulated_ttft": statistics.median(slowdown) if slowdown else None,
+        "measured": real, "measured_per_pass": [_pass_figures(records) for records in passes],
+        "simulated": sim, "simulated_in_trace_order": _run_figures([run]),
+        "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
+        "simulated_over_measured": ratios,
+        "within_tolerance": {k: abs(v - 1) <= cfg.tolerance for k, v in ratios.items()},
+        "simulated_over_arrival_orders": spread,
+        "measured_within_order_spread": {k: v["p5"] <= real[k] <= v["p95"] for k, v in spread.items() if real[k]},
+        "per_request": [{**m, "simulated_ttft_s": r.ttft_s, "input_tokens": r.input_tokens,
+                         "uncached_tokens_simulated": r.uncached_tokens}
+                        for m, r in zip(measured, simulated, strict=True)],
+    }
+
+
+def resimulate(folder: str) -> dict[str, Any]:
+    """A saved validation (``validation.json`` and ``profile.json`` in ``folder``) compared again
+    with this code's simulator: the same measured passes, profile, front end and slowdown."""
+    with fsspec.open(f"{folder}/validation.json", "rt") as f:
+        saved = json.load(f)
+    with fsspec.open(f"{folder}/profile.json", "rt") as f:
+        profile = parse_config(Profile, json.load(f), what=f"{folder}/profile.json")
+    cfg = parse_config(ValidateConfig, saved["config"], what=f"{folder}/validation.json config")
+    fleet = FleetConfig(**{**cfg.fleet.model_dump(), **saved["front_end"],
+                           "shared_host_slowdown": saved["shared_host_slowdown"]},
+                        model=cfg.model, static_replicas=cfg.replicas)
+    kept = ("sent_s", "ttft_s", "latency_s", "output_tokens", "error", "pass", "pass_start_s")
+    passes: dict[int, list[dict[str, Any]]] = {}
+    for m in saved["per_request"]:
+        passes.setdefault(m.get("pass", 0), []).append({k: m[k] for k in kept if k in m})
+    measured_keys = ("config", "requests", "replay_wall_s", "host_load", "calibration_host_load", "warmup_host_load")
+    return {**{k: saved[k] for k in measured_keys if k in saved},
+            **compare(cfg, fleet, cfg.traffic.build(), profile, list(passes.values()))}
 
 
 def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
@@ -225,7 +343,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
         if cfg.warmup_requests:
             with warmup_host:
                 replay(url, model, window(trace, limit=cfg.warmup_requests), PROMPT_VOCAB, cfg.request_timeout_s,
-                       warmup=True)
+                       salt=WARMUP_SALT)
         if cfg.measure:
             front_end = measure_front_end(Burst(url, model, cfg.request_timeout_s), cfg.replicas,
                                           ReplicaCosts.from_figures(figures), cfg.measure.front_end)
@@ -236,36 +354,11 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
             fleet = fleet.model_copy(update={**front_end, "shared_host_slowdown": slowdown})
         t0 = time.time()
         with HostLoad() as host:
-            measured = replay(url, model, trace, PROMPT_VOCAB, cfg.request_timeout_s)
+            passes = replay_passes(url, model, trace, cfg, host)
         wall_s = time.time() - t0
-    real = _figures([m["ttft_s"] for m in measured], [m["output_tokens"] or 0 for m in measured],
-                    [m["sent_s"] + (m["latency_s"] or 0) for m in measured])
-    run = simulate(fleet, trace, profile)
-    sim = _figures([r.ttft_s for r in run.requests], [r.output_tokens for r in run.requests if r.finish_s],
-                   [r.finish_s for r in run.requests if r.finish_s is not None])
-    ratios = {k: sim[k] / real[k] for k in ("ttft_p50_s", "ttft_p90_s", "output_tokens_per_s")
-              if real[k] and sim[k] is not None}
-    orders = order_spread(fleet, trace, profile, cfg.arrival_orders, cfg.tie_s)
-    # How much slower the real replicas ran than their profile: a profile measured at another load
-    # (shared cores) shows here first.
-    slowdown = [m["ttft_s"] / r.ttft_s for m, r in zip(measured, run.requests, strict=True) if m["ttft_s"] and r.ttft_s]
-    result = {
-        "config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
-        "front_end": {k: getattr(fleet, k) for k in ("ingress_s", "ingress_latency_s")},
-        "shared_host_slowdown": fleet.shared_host_slowdown,
-        "host_load": host.to_json(),
-        "calibration_host_load": calibration_cores,
-        "warmup_host_load": warmup_host.summary(),
-        "median_measured_over_simulated_ttft": statistics.median(slowdown) if slowdown else None,
-        "measured": real, "simulated": sim, "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
-        "simulated_over_measured": ratios,
-        "within_tolerance": {k: abs(v - 1) <= cfg.tolerance for k, v in ratios.items()},
-        "simulated_over_arrival_orders": orders,
-        "measured_within_order_spread": {k: v["p5"] <= real[k] <= v["p95"] for k, v in orders.items() if real[k]},
-        "per_request": [{**m, "simulated_ttft_s": r.ttft_s, "input_tokens": r.input_tokens,
-                         "uncached_tokens_simulated": r.uncached_tokens}
-                        for m, r in zip(measured, run.requests, strict=True)],
-    }
+    result = {"config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
+              "host_load": host.to_json(), "calibration_host_load": calibration_cores,
+              "warmup_host_load": warmup_host.summary(), **compare(cfg, fleet, trace, profile, passes)}
     write_files(cfg.out, {"validation.json": json.dumps(result, indent=1).encode(),
                           "profile.json": profile_json(profile).encode(),
                           "validation.png": validation_png(result["per_request"], host.samples)})
@@ -287,6 +380,16 @@ def format_validation(result: dict[str, Any]) -> str:
     slowdown = result["median_measured_over_simulated_ttft"]
     if slowdown is not None:
         summary += f", median measured / simulated TTFT per request: {slowdown:.2f}"
+    trace_order = result.get("simulated_in_trace_order")
+    orders = result.get("config", {}).get("arrival_orders")
+    if trace_order and orders:
+        summary += (f"\nsimulated: pooled over the trace's order and {orders} random orders of simultaneous "
+                    f"arrivals; in the trace's order alone TTFT p50 {trace_order['ttft_p50_s']:.2f} s, "
+                    f"p90 {trace_order['ttft_p90_s']:.2f} s")
+    passes = result.get("measured_per_pass", [])
+    if len(passes) > 1:
+        summary += f"\nmeasured: the {len(passes)} passes below pooled\n" + "\n".join(
+            f"pass {k + 1}: {_pass_line(figures)}" for k, figures in enumerate(passes))
     for key, label in (("ttft_p50_s", "p50"), ("ttft_p90_s", "p90")):
         spread = result.get("simulated_over_arrival_orders", {}).get(key)
         if spread:
