@@ -240,10 +240,6 @@ def _span(records: list[dict[str, Any]]) -> float:
     return max(m["sent_s"] + (m["latency_s"] or 0) for m in records)
 
 
-def _pass_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
-    return _figures([m["ttft_s"] for m in records], [m["output_tokens"] or 0 for m in records], _span(records))
-
-
 def pooled_figures(passes: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """The passes' TTFT percentiles over all their requests together, and their throughput over the
     sum of their spans (the pauses between them left out)."""
@@ -271,7 +267,7 @@ def replay_passes(url: str, model: str, trace: Trace, cfg: ValidateConfig,
         start_s = time.time() - host.started
         records = replay(url, model, trace, PROMPT_VOCAB, cfg.request_timeout_s, salt=k * PASS_SALT)
         passes.append([{**m, "pass": k, "pass_start_s": start_s} for m in records])
-        print(f"pass {k + 1}: {_pass_line(_pass_figures(passes[-1]))}", flush=True)
+        print(f"pass {k + 1}: {_pass_line(pooled_figures(passes[-1:]))}", flush=True)
     return passes
 
 
@@ -297,7 +293,7 @@ def compare(cfg: ValidateConfig, fleet: FleetConfig, trace: Trace, profile: Prof
         "front_end": {k: getattr(fleet, k) for k in ("ingress_s", "ingress_latency_s")},
         "shared_host_slowdown": fleet.shared_host_slowdown,
         "median_measured_over_simulated_ttft": statistics.median(slowdown) if slowdown else None,
-        "measured": real, "measured_per_pass": [_pass_figures(records) for records in passes],
+        "measured": real, "measured_per_pass": [pooled_figures([one]) for one in passes],
         "simulated": sim, "simulated_in_trace_order": _run_figures([run]),
         "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
         "simulated_over_measured": ratios,
