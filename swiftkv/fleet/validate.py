@@ -77,8 +77,9 @@ class ValidateConfig(StrictConfig):
 
     replays: int = Field(default=1, gt=0)
     """Replay the slice this many times (each pass with its own token ids, so none finds another's
-    prefix cache) and compare the simulator with the TTFTs and throughput of all passes pooled: on a
-    shared host one pass's p90 moves by 10-15% from run to run (each pass's figures are kept too)."""
+    prefix cache) and compare the simulator with the TTFTs and throughput of all passes pooled: on the
+    2-core validation host one pass's p90 ranged 3.1-4.8 s within one run (each pass's figures are kept
+    too)."""
 
     replay_pause_s: float = Field(default=5.0, ge=0)
     """Wait between passes, so each starts on idle replicas and a router whose figures show them idle
