@@ -414,6 +414,11 @@ def test_a_saved_validation_is_simulated_again_by_hand(tmp_path, capsys):
     assert again["simulated"]["ttft_p50_s"] in (pytest.approx(0.1), pytest.approx(0.99))
     assert again["simulated_in_trace_order"]["ttft_p50_s"] == pytest.approx(0.99)
     assert "simulated: pooled over the trace's order and 20 random orders" in capsys.readouterr().out
+    # A validation saved before the front end and slowdown were measured: one line naming what it lacks.
+    del saved["front_end"], saved["shared_host_slowdown"]
+    (tmp_path / "validation.json").write_text(json.dumps(saved))
+    assert main(["fleet", "resimulate", "--from", str(tmp_path)]) == 2
+    assert "has no front_end, shared_host_slowdown" in capsys.readouterr().err
 
 
 def test_the_cli_names_a_bad_config_key(tmp_path, capsys):

@@ -314,6 +314,12 @@ def resimulate(folder: str) -> dict[str, Any]:
         saved = json.load(f)
     with fsspec.open(f"{folder}/profile.json", "rt") as f:
         profile = parse_config(Profile, json.load(f), what=f"{folder}/profile.json")
+    missing = [k for k in ("config", "per_request", "front_end", "shared_host_slowdown") if k not in saved]
+    if missing:
+        # Validations saved before the front end and the slowdown were measured lack what the
+        # simulator now needs; guessing them would make a comparison nobody measured.
+        raise ValueError(f"{folder}/validation.json has no {', '.join(missing)}: it predates what this "
+                         "simulator needs; run `swiftkv fleet validate` again")
     cfg = parse_config(ValidateConfig, saved["config"], what=f"{folder}/validation.json config")
     fleet = FleetConfig(**{**cfg.fleet.model_dump(), **saved["front_end"],
                            "shared_host_slowdown": saved["shared_host_slowdown"]},
