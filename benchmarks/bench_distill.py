@@ -1,12 +1,16 @@
 """The distillation step, current vs new, side by side in one run: step time and activation memory.
 
     python -m benchmarks.bench_distill --models bundled random-llama --seq-len 512 --steps 4
+    python -m benchmarks.bench_distill --models random-llama-8b --data synthetic --dtype bfloat16 \
+        --seq-len 4096 --steps 8   # on a GPU: the 8B-shaped random Llama
 
 "current" runs the teacher and the student whole (layers ``0..c-1`` twice, the student keeping
 their activations); "new" (``train.reuse_teacher_prefix``, the default) runs layers ``0..c-1``
 once and starts both from the state entering layer ``c``. Both compute the same loss and gradients
 (``tests/test_distill_loss.py`` checks it bit for bit). The two variants alternate step by step on
-the same packed bundled conversations, so machine load hits both alike. A step is the objective's
+the same packed bundled conversations (``--data bundled``; their assistant tokens selected) or on
+random tokens packed as examples of 512 whose second halves are selected (``--data synthetic``,
+which needs neither the bundled tokenizer nor Ray), so machine load hits both alike. A step is the objective's
 forward (teacher, student, chunked KL through the LM head) and backward; the optimizer, the same for
 both, is left out. Activation memory is what autograd saves for backward (bytes of the distinct
 tensors, measured with saved-tensor hooks on any device); on CUDA the peak allocated memory of the
@@ -26,14 +30,10 @@ import numpy as np
 import torch
 
 from benchmarks.random_llama import NAME as RANDOM_LLAMA
-from benchmarks.random_llama import random_llama
-from swiftkv.bundled import bundled_chat_data, copy_bundled_tokenizer
-from swiftkv.distill.chat_tokens import tokenize_chat
-from swiftkv.distill.data import load_tokenizer, pad_id
-from swiftkv.distill.model_io import load_student
+from benchmarks.random_llama import SHAPES, random_llama
+from swiftkv.convert import convert_model
 from swiftkv.distill.objective import DistillationObjective, freeze_all_but_swiftkv
 from swiftkv.distill.packing import pack_rows
-from swiftkv.model_source import resolve_model
 
 VARIANTS = {"current": False, "new": True}  # name -> reuse_teacher_prefix
 
@@ -43,11 +43,42 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def packed_batches(tokenizer, seq_len: int, batch_size: int, count: int) -> list[dict[str, torch.Tensor]]:
-    """``count`` batches of packed bundled conversations (assistant tokens selected)."""
-    examples = [tokenize_chat(tokenizer, m, "assistant") for m in bundled_chat_data(limit=count * batch_size * 8)]
-    rows = pack_rows(examples, seq_len, pad_id(tokenizer))[: count * batch_size]
-    if len(rows) < count * batch_size:
+SYNTHETIC_EXAMPLE_TOKENS = 512
+
+
+def bundled_examples(count: int) -> tuple[list, int]:
+    """(``count`` bundled conversations tokenized with the bundled tokenizer, assistant tokens
+    selected; the pad id)."""
+    # Imported here: the data pipeline imports Ray, which --data synthetic does without.
+    from swiftkv.bundled import bundled_chat_data
+    from swiftkv.distill.chat_tokens import tokenize_chat
+    from swiftkv.distill.data import load_tokenizer, pad_id
+    from swiftkv.model_source import resolve_model
+
+    tokenizer = load_tokenizer(resolve_model("bundled"))
+    return [tokenize_chat(tokenizer, m, "assistant") for m in bundled_chat_data(limit=count)], pad_id(tokenizer)
+
+
+def synthetic_examples(count: int, vocab_size: int) -> tuple[list, int]:
+    """(``count`` examples of random tokens, the second half of each selected; pad id 0)."""
+    from swiftkv.distill.chat_tokens import ChatTokens
+
+    generator = torch.Generator().manual_seed(0)
+    half = SYNTHETIC_EXAMPLE_TOKENS // 2
+    return [ChatTokens(torch.randint(10, vocab_size, (SYNTHETIC_EXAMPLE_TOKENS,), generator=generator).tolist(),
+                       [0] * half + [1] * half) for _ in range(count)], 0
+
+
+def packed_batches(data: str, vocab_size: int, seq_len: int, batch_size: int,
+                   count: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` batches of ``batch_size`` packed rows of ``seq_len`` tokens."""
+    rows_needed = count * batch_size
+    if data == "bundled":
+        examples, pad = bundled_examples(rows_needed * 8)
+    else:
+        examples, pad = synthetic_examples(rows_needed * -(-seq_len // SYNTHETIC_EXAMPLE_TOKENS), vocab_size)
+    rows = pack_rows(examples, seq_len, pad)[:rows_needed]
+    if len(rows) < rows_needed:
         raise ValueError("not enough bundled conversations for that many rows: lower --steps or --batch-size")
     return [
         {key: torch.as_tensor(np.stack([r[key] for r in rows[i : i + batch_size]])) for key in rows[0]}
@@ -83,27 +114,25 @@ class SavedBytes:
         self.hooks.__exit__(*exc)
 
 
-def model_path(name: str, work: Path) -> str:
-    """A checkpoint folder for ``bundled`` (or any model reference) or the random Llama."""
-    if name != RANDOM_LLAMA:
-        return resolve_model(name)
-    path = work / RANDOM_LLAMA
-    if not (path / "config.json").is_file():
-        random_llama().save_pretrained(path)
-        copy_bundled_tokenizer(path)
-    return str(path)
+def load_model(name: str, dtype: torch.dtype, device: torch.device):
+    """The student at 50% SwiftKV of a random Llama (made on ``device``) or of a model reference."""
+    if name in SHAPES:
+        return convert_model(random_llama(dtype, name, device))
+    from swiftkv.distill.model_io import load_student
+    from swiftkv.model_source import resolve_model
+
+    return load_student(resolve_model(name), None, 1, dtype).to(device)
 
 
-def measure(path: str, args: argparse.Namespace, device: torch.device) -> dict:
-    tokenizer = load_tokenizer(path)
-    model = load_student(path, None, 1, getattr(torch, args.dtype)).to(device)
+def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict:
+    model = load_model(name, getattr(torch, args.dtype), device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     trainable = freeze_all_but_swiftkv(model)
     model.train()
     objectives = {name: DistillationObjective(model, 2.0, 0.0, args.chunk, reuse_teacher_prefix=reuse)
                   for name, reuse in VARIANTS.items()}
-    batches = packed_batches(tokenizer, args.seq_len, args.batch_size, args.steps + 1)
+    batches = packed_batches(args.data, model.config.vocab_size, args.seq_len, args.batch_size, args.steps + 1)
     seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}
     saved: dict[str, int] = {}
     peak: dict[str, int] = {}
@@ -149,24 +178,26 @@ def measure(path: str, args: argparse.Namespace, device: torch.device) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["bundled", RANDOM_LLAMA],
-                        help=f"model references, or {RANDOM_LLAMA!r} (default: bundled SmolLM2 and the random Llama); "
-                        "each at 50%% SwiftKV")
+                        help=f"model references, or random Llamas {', '.join(SHAPES)} (default: bundled SmolLM2 and "
+                        f"{RANDOM_LLAMA}); each at 50%% SwiftKV")
+    parser.add_argument("--data", default="bundled", choices=["bundled", "synthetic"],
+                        help="packed bundled conversations, or random tokens (no tokenizer, no Ray)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant (after one warm-up step)")
     parser.add_argument("--chunk", type=int, default=256, help="loss chunk (tokens)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--work-dir", type=Path, default=Path(".cache/bench_distill"))
     parser.add_argument("--out", type=Path, default=Path("artifacts/bench_distill.json"))
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    results = {"device": str(device), "dtype": args.dtype, "seq_len": args.seq_len, "batch_size": args.batch_size,
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "data": args.data,
+               "dtype": args.dtype, "seq_len": args.seq_len, "batch_size": args.batch_size,
                "steps": args.steps, "gradient_checkpointing": args.gradient_checkpointing, "models": {}}
     for name in args.models:
         print(f"== {name}", flush=True)
-        results["models"][name] = measure(model_path(name, args.work_dir), args, device)
+        results["models"][name] = measure(name, args, device)
         r = results["models"][name]
         print(f"{name}: step new/current {r['step_ratio_new_over_current']:.3f}, "
               f"activation memory new/current {r['activation_ratio_new_over_current']:.3f}", flush=True)

@@ -3,8 +3,9 @@
 For each model and prompt length, the teacher (SwiftKV off) and the students at each cutoff run
 the generate-style prefill (a cache, ``logits_to_keep=1``) in interleaved rounds; the table gives
 the median student/teacher time ratio beside the FLOPs model's prediction. Models: the bundled
-SmolLM2-135M-Instruct and a larger random Llama. Ratios, not absolute times, are the result:
-this machine's timings are noisy.
+SmolLM2-135M-Instruct and the random Llamas of ``benchmarks/random_llama.py`` (the 8B-shaped one
+needs a GPU; models run on the GPU when there is one). Ratios, not absolute times, are the result:
+timings on a shared CPU are noisy.
 
     .venv/bin/python -m benchmarks.bench_prefill --out artifacts/bench_prefill
 """
@@ -22,7 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from benchmarks.random_llama import random_llama
+from benchmarks.random_llama import SHAPES, random_llama
 from swiftkv.analysis.flops import predicted_prefill_ratio
 from swiftkv.bundled import ensure_bundled_model
 from swiftkv.config import cutoff_from_fraction
@@ -30,16 +31,18 @@ from swiftkv.convert import convert_model
 
 log = logging.getLogger("bench_prefill")
 
-def load_models(which: str, dtype: torch.dtype):
+def load_models(which: str, dtype: torch.dtype, device: torch.device):
     if which == "smollm2":
-        return AutoModelForCausalLM.from_pretrained(ensure_bundled_model(), dtype=dtype).eval()
-    return random_llama(dtype)
+        return AutoModelForCausalLM.from_pretrained(ensure_bundled_model(), dtype=dtype).to(device).eval()
+    return random_llama(dtype, which, device)
 
 
 def prefill_seconds(model, ids: torch.Tensor) -> float:
     start = time.perf_counter()
     with torch.inference_mode():
         model(ids, use_cache=True, logits_to_keep=1)
+    if ids.is_cuda:  # kernels run asynchronously: wait for them
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -50,7 +53,8 @@ def bench_model(name: str, base, fractions: list[float], lengths: list[int], rou
         variants[f"{round(f * 100)}%"] = convert_model(base, cutoff_from_fraction(num_layers, f))
     rows = []
     for length in lengths:
-        ids = torch.randint(10, base.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
+        ids = torch.randint(10, base.config.vocab_size, (1, length),
+                            generator=torch.Generator().manual_seed(length)).to(base.device)
         for model in variants.values():  # warm-up
             prefill_seconds(model, ids)
         times: dict[str, list[float]] = {k: [] for k in variants}
@@ -96,7 +100,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["smollm2", "random-llama"], choices=["smollm2", "random-llama"])
+    p.add_argument("--models", nargs="+", default=["smollm2", "random-llama"], choices=["smollm2", *SHAPES])
     p.add_argument("--fractions", nargs="+", type=float, default=[0.25, 0.5, 0.75],
                    help="SwiftKV fractions: the share of layers whose prefill is skipped")
     p.add_argument("--lengths", nargs="+", type=int, default=[256, 1024, 2048])
@@ -108,10 +112,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, args.dtype)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for name in args.models:
-        rows += bench_model(name, load_models(name, dtype), args.fractions, args.lengths, args.rounds)
-    meta = dict(dtype=args.dtype, rounds=args.rounds, torch_threads=torch.get_num_threads())
+        rows += bench_model(name, load_models(name, dtype, device), args.fractions, args.lengths, args.rounds)
+    meta = dict(dtype=args.dtype, rounds=args.rounds, device=torch.cuda.get_device_name() if device.type == "cuda"
+                else f"cpu, {torch.get_num_threads()} threads")
     (out / "prefill.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     plot(rows, out / "prefill.png")
     print("| model | prompt tokens | SwiftKV | c/L | teacher tok/s | measured time ratio | FLOPs model |")
