@@ -32,8 +32,11 @@ import torch
 from benchmarks.random_llama import NAME as RANDOM_LLAMA
 from benchmarks.random_llama import SHAPES, random_llama
 from swiftkv.convert import convert_model
+from swiftkv.distill.chat_tokens import ChatTokens, tokenize_chat
+from swiftkv.distill.model_io import load_student
 from swiftkv.distill.objective import DistillationObjective, freeze_all_but_swiftkv
 from swiftkv.distill.packing import pack_rows
+from swiftkv.model_source import resolve_model
 
 VARIANTS = {"current": False, "new": True}  # name -> reuse_teacher_prefix
 
@@ -46,37 +49,33 @@ def _sync() -> None:
 SYNTHETIC_EXAMPLE_TOKENS = 512
 
 
-def bundled_examples(count: int) -> tuple[list, int]:
-    """(``count`` bundled conversations tokenized with the bundled tokenizer, assistant tokens
-    selected; the pad id)."""
+def bundled_examples(model_path: str | None, count: int) -> tuple[list[ChatTokens], int]:
+    """(``count`` bundled conversations tokenized with the model's tokenizer (the bundled one for a
+    random Llama, ``model_path`` None), assistant tokens selected; its pad id)."""
     # Imported here: the data pipeline imports Ray, which --data synthetic does without.
     from swiftkv.bundled import bundled_chat_data
-    from swiftkv.distill.chat_tokens import tokenize_chat
     from swiftkv.distill.data import load_tokenizer, pad_id
-    from swiftkv.model_source import resolve_model
 
-    tokenizer = load_tokenizer(resolve_model("bundled"))
+    tokenizer = load_tokenizer(model_path or resolve_model("bundled"))
     return [tokenize_chat(tokenizer, m, "assistant") for m in bundled_chat_data(limit=count)], pad_id(tokenizer)
 
 
-def synthetic_examples(count: int, vocab_size: int) -> tuple[list, int]:
-    """(``count`` examples of random tokens, the second half of each selected; pad id 0)."""
-    from swiftkv.distill.chat_tokens import ChatTokens
-
+def synthetic_examples(count: int, tokens: int, vocab_size: int) -> tuple[list[ChatTokens], int]:
+    """(``count`` examples of ``tokens`` random tokens, the second half of each selected; pad id 0)."""
     generator = torch.Generator().manual_seed(0)
-    half = SYNTHETIC_EXAMPLE_TOKENS // 2
-    return [ChatTokens(torch.randint(10, vocab_size, (SYNTHETIC_EXAMPLE_TOKENS,), generator=generator).tolist(),
-                       [0] * half + [1] * half) for _ in range(count)], 0
+    return [ChatTokens(torch.randint(10, vocab_size, (tokens,), generator=generator).tolist(),
+                       [0] * (tokens // 2) + [1] * (tokens - tokens // 2)) for _ in range(count)], 0
 
 
-def packed_batches(data: str, vocab_size: int, seq_len: int, batch_size: int,
+def packed_batches(data: str, model_path: str | None, vocab_size: int, seq_len: int, batch_size: int,
                    count: int) -> list[dict[str, torch.Tensor]]:
     """``count`` batches of ``batch_size`` packed rows of ``seq_len`` tokens."""
     rows_needed = count * batch_size
     if data == "bundled":
-        examples, pad = bundled_examples(rows_needed * 8)
+        examples, pad = bundled_examples(model_path, rows_needed * 8)
     else:
-        examples, pad = synthetic_examples(rows_needed * -(-seq_len // SYNTHETIC_EXAMPLE_TOKENS), vocab_size)
+        tokens = min(SYNTHETIC_EXAMPLE_TOKENS, seq_len)
+        examples, pad = synthetic_examples(rows_needed * -(-seq_len // tokens), tokens, vocab_size)
     rows = pack_rows(examples, seq_len, pad)[:rows_needed]
     if len(rows) < rows_needed:
         raise ValueError("not enough bundled conversations for that many rows: lower --steps or --batch-size")
@@ -115,24 +114,24 @@ class SavedBytes:
 
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device):
-    """The student at 50% SwiftKV of a random Llama (made on ``device``) or of a model reference."""
+    """(the student at 50% SwiftKV of a random Llama, made on ``device``, or of a model reference;
+    the model's folder, None for a random Llama)."""
     if name in SHAPES:
-        return convert_model(random_llama(dtype, name, device))
-    from swiftkv.distill.model_io import load_student
-    from swiftkv.model_source import resolve_model
-
-    return load_student(resolve_model(name), None, 1, dtype).to(device)
+        return convert_model(random_llama(dtype, name, device)), None
+    path = resolve_model(name)
+    return load_student(path, None, 1, dtype).to(device), path
 
 
 def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict:
-    model = load_model(name, getattr(torch, args.dtype), device)
+    model, path = load_model(name, getattr(torch, args.dtype), device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     trainable = freeze_all_but_swiftkv(model)
     model.train()
     objectives = {name: DistillationObjective(model, 2.0, 0.0, args.chunk, reuse_teacher_prefix=reuse)
                   for name, reuse in VARIANTS.items()}
-    batches = packed_batches(args.data, model.config.vocab_size, args.seq_len, args.batch_size, args.steps + 1)
+    batches = packed_batches(args.data, path, model.config.vocab_size, args.seq_len, args.batch_size,
+                             args.steps + 1)
     seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}
     saved: dict[str, int] = {}
     peak: dict[str, int] = {}

@@ -10,14 +10,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 NAME = "random-llama"
-NAME_8B = "random-llama-8b"
 SHAPES = {
     NAME: dict(
         vocab_size=49152, hidden_size=1024, intermediate_size=3584, num_hidden_layers=16,
         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=16384,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     ),
-    NAME_8B: dict(  # Llama-3.1-8B's config.json, less its rope scaling (no effect on speed)
+    "random-llama-8b": dict(  # Llama-3.1-8B's config.json, less its rope scaling (no effect on speed)
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
         tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128009,
@@ -28,7 +27,7 @@ SHAPES = {
 def random_llama(dtype: torch.dtype = torch.float32, shape: str = NAME,
                  device: torch.device | str = "cpu") -> LlamaForCausalLM:
     """The random Llama of ``shape`` in ``dtype`` on ``device``, eval mode, always the same weights
-    on the same device (initialised there: an 8B model's initialisation takes minutes on a CPU)."""
+    on the same device (initialised there, not on the host: the 8B shape is 32 GB in float32)."""
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape]))

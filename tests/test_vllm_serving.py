@@ -367,7 +367,7 @@ def test_compiled_engine_matches_hf(engines, checkpoints, dtype, runner, monkeyp
         llm.llm_engine.engine_core.shutdown()
 
 
-FP8_LOGPROB_ATOL = 0.06  # an FP8 (e4m3) KV cache rounds K and V to 3 mantissa bits; seen: <= 0.02
+FP8_LOGPROB_ATOL = 0.06  # an FP8 (e4m3) KV cache rounds K and V to 3 mantissa bits; seen: under 0.025
 FP8_ON_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
 
 
