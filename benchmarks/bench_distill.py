@@ -9,7 +9,7 @@ their activations); "new" (``train.reuse_teacher_prefix``, the default) runs lay
 once and starts both from the state entering layer ``c``. Both compute the same loss and gradients
 (``tests/test_distill_loss.py`` checks it bit for bit). The two variants alternate step by step on
 the same packed bundled conversations (``--data bundled``; their assistant tokens selected) or on
-random tokens packed as examples of 512 whose second halves are selected (``--data synthetic``,
+random tokens packed as examples of 512 (or the row, if shorter) whose second halves are selected (``--data synthetic``,
 which needs neither the bundled tokenizer nor Ray), so machine load hits both alike. A step is the objective's
 forward (teacher, student, chunked KL through the LM head) and backward; the optimizer, the same for
 both, is left out. Activation memory is what autograd saves for backward (bytes of the distinct
