@@ -4,10 +4,12 @@
     python -m ray_jobs.distill --config ray_jobs/configs/smollm2-cpu.yaml --set train.max_steps=20
 
 Without ``ray job submit`` (and no ``RAY_ADDRESS``) it starts an embedded local Ray. The driver
-validates the config, lists the data files (failing fast on a bad URI), builds the Ray Data
-pipeline and runs a ``TorchTrainer``; the workers run ``swiftkv.distill.train_loop``. Under ZeRO-3 a
-base model is first converted once, in a Ray task, into the run's folder, so that the workers load
-that conversion already partitioned instead of each converting the whole model.
+validates the config, checks every data source (failing fast on a bad URI or a retrieval spec that
+cannot give its rows), builds the Ray Data pipeline and runs a ``TorchTrainer``; the workers run
+``swiftkv.distill.train_loop``. A base model is first converted once, in a Ray task, into the run's
+folder when the start is fitted (``init.method: least_squares``, on the pipeline's first rows) or
+under ZeRO-3 (so that the workers load the conversion already partitioned instead of each
+converting the whole model).
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ import fsspec
 import pyarrow.fs
 import ray
 import ray.train
+import torch
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from swiftkv.distill.config import DistillConfig
-from swiftkv.distill.data import build_datasets, resolve_files
-from swiftkv.distill.model_io import conversion_memory_bytes, convert_once, is_swiftkv_checkpoint
+from swiftkv.distill.data import build_datasets, check_sources
+from swiftkv.distill.model_io import (
+    conversion_memory_bytes,
+    convert_once,
+    is_swiftkv_checkpoint,
+    least_squares_once,
+)
 from swiftkv.distill.train_loop import MODEL_DIR, train_loop_per_worker
 from swiftkv.model_source import resolve_model
 from swiftkv.yaml_config import job_main
@@ -63,26 +71,41 @@ def _storage(path: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
     return root, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
 
 
-def zero3_starting_point(cfg: DistillConfig, model_path: str) -> DistillConfig:
-    """``cfg``, or under ZeRO-3 with a base model (``model_path``: ``cfg.model`` resolved), ``cfg``
-    pointing at a SwiftKV conversion written once under ``<storage_path>/<name>/`` by a Ray task
-    (``convert_once``; reused when the job reruns)."""
-    if cfg.deepspeed.zero_stage != 3 or is_swiftkv_checkpoint(model_path):
+def starting_point(cfg: DistillConfig, model_path: str, train_ds: ray.data.Dataset) -> DistillConfig:
+    """``cfg``, or ``cfg`` pointing at a SwiftKV conversion of the base model (``model_path``:
+    ``cfg.model`` resolved) written once under ``<storage_path>/<name>/`` by a Ray task and reused
+    when the job reruns: the least-squares start (fitted on the first ``init.calibration_rows``
+    training rows), or under ZeRO-3 the copy start. A SwiftKV checkpoint is trained as it is."""
+    least_squares = cfg.init.method == "least_squares"
+    if is_swiftkv_checkpoint(model_path) or not (least_squares or cfg.deepspeed.zero_stage == 3):
         return cfg
     storage = cfg.output.storage_path
     root = storage.rstrip("/") if "://" in storage else os.path.abspath(storage)
     parent = f"{root}/{cfg.output.name}"
-    logger.info("ZeRO-3: converting %s once under %s for the workers to load partitioned", cfg.model, parent)
-    # The conversion reads only the tensors SwiftKV initialises from and copies the shards as files
-    # (swiftkv.checkpoint_files): ask Ray for the memory that takes, so it lands on a node that has it.
-    memory = conversion_memory_bytes(model_path, cfg.num_key_value_layers, cfg.key_value_group_size)
-    task = ray.remote(num_cpus=1, memory=memory)(convert_once)
-    converted = ray.get(task.remote(cfg.model, parent, cfg.num_key_value_layers, cfg.key_value_group_size))
-    return cfg.model_copy(update={"model": converted})
+    args = (cfg.model, parent, cfg.num_key_value_layers, cfg.key_value_group_size)
+    if least_squares:
+        logger.info("fitting the least-squares start on the first %d training rows under %s",
+                    cfg.init.calibration_rows, parent)
+        rows = train_ds.limit(cfg.init.calibration_rows).take_all()
+        dtype = torch.bfloat16 if cfg.scaling.use_gpu else torch.float32
+        # The fit runs the whole teacher once: it needs the model's memory, not only the conversion's.
+        task = ray.remote(num_cpus=1, num_gpus=int(cfg.scaling.use_gpu))(least_squares_once)
+        start = ray.get(task.remote(*args, rows, dtype))
+    else:
+        logger.info("ZeRO-3: converting %s once under %s for the workers to load partitioned", cfg.model, parent)
+        # The conversion reads only the tensors SwiftKV initialises from and copies the shards as files
+        # (swiftkv.checkpoint_files): ask Ray for the memory that takes, so it lands on a node that has it.
+        memory = conversion_memory_bytes(model_path, cfg.num_key_value_layers, cfg.key_value_group_size)
+        start = ray.get(ray.remote(num_cpus=1, memory=memory)(convert_once).remote(*args))
+    return cfg.model_copy(update={"model": start})
 
 
-def build_trainer(cfg: DistillConfig, tokenizer_path: str) -> TorchTrainer:
-    train_ds, heldout_ds = build_datasets(cfg.data, tokenizer_path=tokenizer_path)
+def build_trainer(cfg: DistillConfig, tokenizer_path: str,
+                  datasets: tuple[ray.data.Dataset, ray.data.Dataset | None] | None = None,
+                  recipe: DistillConfig | None = None) -> TorchTrainer:
+    """The trainer of ``cfg``; ``datasets`` (``build_datasets``'s) when already built; ``recipe``: the
+    config as the user gave it, for the model card, when ``cfg`` starts from a conversion of it."""
+    train_ds, heldout_ds = datasets or build_datasets(cfg.data, tokenizer_path=tokenizer_path)
     steps = total_steps(cfg, train_ds)
     if cfg.train.max_steps is not None:
         # Only the rows max_steps trains on: the pipeline stops reading and templating there rather than
@@ -98,7 +121,8 @@ def build_trainer(cfg: DistillConfig, tokenizer_path: str) -> TorchTrainer:
     storage_path, storage_fs = _storage(cfg.output.storage_path)
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": cfg.model_dump(), "total_steps": steps},
+        train_loop_config={"config": cfg.model_dump(), "total_steps": steps,
+                           "recipe": (recipe or cfg).model_dump()},
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
         dataset_config=ray.train.DataConfig(execution_options=ingest),
         scaling_config=ray.train.ScalingConfig(
@@ -120,12 +144,13 @@ def build_trainer(cfg: DistillConfig, tokenizer_path: str) -> TorchTrainer:
 
 def run(cfg: DistillConfig) -> ray.train.Result:
     """Distil on the current Ray cluster (``ray.init`` joins ``RAY_ADDRESS`` or starts a local one)."""
-    for source in cfg.data.sources:  # fail on a bad URI before starting or joining Ray
-        resolve_files(source.uri)
+    model_path = resolve_model(cfg.model)  # the tokenizer for the data pipeline comes from here
+    check_sources(cfg.data, model_path)  # fail on a bad source before starting or joining Ray
     if not ray.is_initialized():
         ray.init()
-    model_path = resolve_model(cfg.model)  # the tokenizer for the data pipeline comes from here
-    result = build_trainer(zero3_starting_point(cfg, model_path), model_path).fit()
+    datasets = build_datasets(cfg.data, tokenizer_path=model_path)
+    start = starting_point(cfg, model_path, datasets[0])
+    result = build_trainer(start, model_path, datasets, recipe=cfg).fit()
     summary = {
         "checkpoint": f"{result.checkpoint.path}/{MODEL_DIR}" if result.checkpoint else None,
         "metrics": result.metrics,

@@ -52,7 +52,7 @@ def test_set_overrides_dotted_keys_with_yaml_values():
     [
         (["train.learning_rate=1e-4"], "train.learning_rate: unknown key"),
         (["data.max_seq_length=512"], "data.max_seq_length: unknown key"),
-        (["data.sources=[{uri: a, format: sharegpt}]"], "data.sources.0.format: Input should be"),
+        (["data.sources=[{uri: a, format: sharegpt}]"], "data.sources.0.file.format: Input should be"),
         (["data.sources=[{uri: a, format: slimorca, weight: 0.5, sample_count: 3}]"], "not both"),
         (["deepspeed.zero_stage=1"], "deepspeed.zero_stage"),
         (["train.lr"], "--set expects key=value"),
@@ -88,3 +88,36 @@ def test_unreadable_sources_fail_with_the_uri(tmp_path):
     (tmp_path / "mixed" / "b.csv").write_text("x\n")
     with pytest.raises(ValueError, match=r"all be \.parquet"):
         resolve_files(str(tmp_path / "mixed" / "*"))
+
+
+def _with_retrieval(**source) -> dict:
+    tree = _minimal(max_seq_len=2048)
+    tree["data"]["sources"].append({"synthetic": "retrieval", **source})
+    return tree
+
+
+def test_retrieval_sources_validate_and_name_their_errors():
+    cfg = parse_config(_with_retrieval(max_tokens=2048))
+    assert cfg.data.sources[1].tasks == ["passkey", "kv_lookup", "recall", "doc_qa"]
+    assert cfg.init.method == "copy"  # the paper's start unless asked
+    for source, message in [
+        ({"max_tokens": 4096}, "4096-token rows, over max_seq_len 2048"),
+        ({"tasks": ["needle"]}, "data.sources.1.retrieval.tasks.0: Input should be"),
+        ({"min_tokens": 64}, "data.sources.1.retrieval.min_tokens"),
+        ({"min_tokens": 1024, "max_tokens": 512}, "max_tokens 512 < min_tokens 1024"),
+        ({"uri": "x"}, "data.sources.1.retrieval.uri: unknown key"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_config(_with_retrieval(**source))
+    with pytest.raises(ValueError, match="init.method: Input should be"):
+        parse_config(_minimal(), ["init.method=svd"])
+
+
+def test_cli_names_a_missing_retrieval_filler_without_starting_ray(tmp_path, capsys):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(_with_retrieval(filler=str(tmp_path / "missing.txt"))))
+    assert distill_main(["--config", str(path)]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    import ray
+
+    assert not ray.is_initialized()

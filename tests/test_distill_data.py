@@ -102,3 +102,43 @@ def test_packed_row_gives_each_example_its_own_logits(family, attn):
                 alone = model(input_ids=torch.tensor([ex.input_ids]), use_cache=False).logits[0]
                 torch.testing.assert_close(packed[start : start + n], alone, rtol=1e-4, atol=1e-4)
                 start += n
+
+
+# --- synthetic retrieval chats ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["passkey", "kv_lookup", "recall", "doc_qa"])
+def test_retrieval_rows_hold_their_answer_far_back_at_the_asked_length(tokenizer, task):
+    from swiftkv.distill.retrieval_data import retrieval_chat
+
+    for index in range(6):
+        messages = retrieval_chat(index, [task], "bundled:squad", 512, 2048, 3, tokenizer)
+        assert messages == retrieval_chat(index, [task], "bundled:squad", 512, 2048, 3, tokenizer)  # seeded
+        length = len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+        assert 256 <= length <= 2048, length
+        assert messages[-1]["role"] == "assistant" and messages[-2]["role"] == "user"
+        context = "\n".join(m["content"] for m in messages[:-1])
+        # The value the reply gives is stated earlier in the prompt, not in the question's own turn.
+        value = messages[-1]["content"].removesuffix(".").split()[-1] if task != "doc_qa" else messages[-1]["content"]
+        earlier = "\n".join(m["content"] for m in messages[:-2]) if task == "recall" else context
+        assert value in earlier, (task, value)
+        if task == "recall":
+            assert len(messages) >= 6 and value not in messages[-2]["content"]
+    other = retrieval_chat(0, [task], "bundled:squad", 512, 2048, 4, tokenizer)
+    assert other != retrieval_chat(0, [task], "bundled:squad", 512, 2048, 3, tokenizer)  # the seed matters
+
+
+def test_retrieval_spec_errors_name_the_problem(tokenizer, tmp_path):
+    from swiftkv.distill.retrieval_data import check_retrieval_spec
+
+    with pytest.raises(FileNotFoundError, match="no-such.txt"):
+        check_retrieval_spec(["passkey"], str(tmp_path / "no-such.txt"), 512, 1024, tokenizer)
+    (tmp_path / "notes.txt").write_text("A paragraph of my own text that is long enough.\n\n" * 400)
+    check_retrieval_spec(["passkey", "kv_lookup"], str(tmp_path / "notes.txt"), 512, 1024, tokenizer)
+    with pytest.raises(ValueError, match=r"\['doc_qa'\] need a filler with questions"):
+        check_retrieval_spec(["passkey", "doc_qa"], str(tmp_path / "notes.txt"), 512, 1024, tokenizer)
+    with pytest.raises(ValueError, match="unknown retrieval task"):
+        check_retrieval_spec(["needle"], "bundled:squad", 512, 1024, tokenizer)
+    (tmp_path / "short.txt").write_text("Too little filler for a long row.")
+    with pytest.raises(ValueError, match="cannot make a 512-token row from filler .*short.txt"):
+        check_retrieval_spec(["passkey"], str(tmp_path / "short.txt"), 512, 4096, tokenizer)

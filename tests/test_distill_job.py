@@ -6,6 +6,7 @@ killed with SIGKILL mid-run; the final checkpoint is loaded by Hugging Face and 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -245,7 +246,8 @@ def test_one_big_file_streams_in_windows_of_small_integer_rows(ray_cluster, caps
     plan = capsys.readouterr().out
     assert "TaskPoolMapOperator" in plan and "AllToAllOperator" not in plan
     rows = train.materialize()
-    conversations = data._messages(cfg, heldout=False).count()  # those with a reply: 231 of the 400
+    # Those with a reply: 231 of the 400.
+    conversations = data._messages(cfg, heldout=False, tokenizer_path=tokenizer).count()
     assert conversations > 3 * cfg.pack_window and rows.num_blocks() >= conversations // cfg.pack_window
     first = rows.take(1)[0]
     dtypes = tuple(str(first[key].dtype) for key in ("input_ids", "position_ids", "loss_mask"))
@@ -296,3 +298,32 @@ def test_the_conversion_task_asks_for_the_memory_it_takes(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 1000)
     on_disk = 1000 + (tmp_path / "config.json").stat().st_size
     assert conversion_memory_bytes(str(tmp_path), 40) == 2 * 2**30 + 2 * on_disk
+
+
+def test_retrieval_rows_and_the_least_squares_start(ray_cluster, tmp_path):
+    """Synthetic retrieval chats stream through the pipeline beside a chat file; the least-squares
+    start is fitted once on the first rows (its R² saved beside it, the fitted K/V projections unlike
+    the copy's), the run trains from it, and the final model carries its model card."""
+    base = save_tiny_base(tmp_path / "base", "llama", bundled_tokenizer=True)
+    sources = [{"uri": str(write_jsonl(ultrachat_rows(40, 13), tmp_path / "chat.jsonl")), "format": "ultrachat"},
+               {"synthetic": "retrieval", "rows": 12, "min_tokens": 192, "max_tokens": 384, "filler": "bundled:squad"}]
+    tree = _config(tmp_path / "base", sources, tmp_path / "runs", train={"max_steps": 2, "attention_loss_weight": 1.0},
+                   data={"max_seq_len": 384}, init={"method": "least_squares", "calibration_rows": 5})
+    cfg = parse_config(tree)
+    rows = build_datasets(cfg.data, str(tmp_path / "base"))[0].take_all()
+    # The retrieval chats are the long examples (192-384 tokens; the chat file's are far shorter).
+    assert max(int(r["position_ids"].max()) for r in rows) + 1 >= 192
+    result = run(cfg)
+    assert result.error is None and result.metrics["step"] == 2
+    (fit,) = (tmp_path / "runs" / "swiftkv-distill").glob("student-init-ls-*/init_fit.json")
+    figures = json.loads(fit.read_text())
+    assert figures["k_r2_least_squares"] > figures["k_r2_before"] and figures["heldout_tokens"] > 0
+    start = load_file(fit.parent / "model-swiftkv.safetensors")
+    copied = base.model.layers[3].self_attn.k_proj.weight
+    assert not torch.allclose(start["model.layers.3.self_attn.k_proj_swiftkv.weight"], copied)
+    card = (Path(result.checkpoint.path) / "model" / "README.md").read_text()
+    assert "least_squares" in card and "synthetic: retrieval" in card and "Quality gate" in card
+    # A rerun with the same storage reuses the fit.
+    fitted_at = fit.stat().st_mtime_ns
+    again = tree | {"train": {**tree["train"], "max_steps": 3}}
+    assert run(parse_config(again)).metrics["step"] == 3 and fit.stat().st_mtime_ns == fitted_at

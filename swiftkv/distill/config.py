@@ -7,14 +7,16 @@ default is the paper's recipe (SPEC.md) unless the field's docstring says otherw
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from swiftkv import yaml_config
 from swiftkv.yaml_config import StrictConfig
 
 SourceFormat = Literal["ultrachat", "openhermes", "slimorca", "messages", "chitchat"]
+RetrievalTask = Literal["passkey", "kv_lookup", "recall", "doc_qa"]
+MIN_RETRIEVAL_TOKENS = 192  # the templates and the question take up to about 120 tokens
 
 
 class SourceConfig(StrictConfig):
@@ -41,9 +43,57 @@ class SourceConfig(StrictConfig):
         return self
 
 
+class RetrievalSourceConfig(StrictConfig):
+    """Synthetic retrieval chats, made as the pipeline streams (``swiftkv/distill/retrieval_data.py``):
+    answers copied from far back in the prompt, which chat data rarely asks for."""
+
+    synthetic: Literal["retrieval"]
+    """Marks the source as generated (no file is read but the filler)."""
+
+    tasks: list[RetrievalTask] = Field(default=["passkey", "kv_lookup", "recall", "doc_qa"], min_length=1)
+    """Kinds of rows, in turn: ``passkey`` (a code hidden in filler text), ``kv_lookup`` (one record of a
+    long list), ``recall`` (a fact from the first turn, after many turns), ``doc_qa`` (a SQuAD question over
+    filler paragraphs holding its paragraph)."""
+
+    rows: int = Field(default=2000, gt=0)
+    """Rows generated (row i is a function of ``seed`` and i alone)."""
+
+    min_tokens: int = Field(default=512, ge=MIN_RETRIEVAL_TOKENS)
+    """Shortest row, in tokens through the model's chat template."""
+
+    max_tokens: int = Field(default=2048, gt=0)
+    """Longest row; each row's length is drawn log-uniformly between the two."""
+
+    filler: str = "bundled:squad"
+    """The text the answers hide in: ``bundled:squad`` (SQuAD v2 dev paragraphs and questions, CC BY-SA 4.0),
+    ``bundled:essays`` (the Paul Graham essays; the evaluation's needle filler: avoid for training) or a local
+    ``.txt`` file (paragraphs split on blank lines; ``recall``/``doc_qa`` need ``bundled:squad``)."""
+
+    seed: int = 0
+    """Seed of the rows' contents."""
+
+    @model_validator(mode="after")
+    def _lengths_in_order(self) -> RetrievalSourceConfig:
+        if self.max_tokens < self.min_tokens:
+            raise ValueError(f"retrieval source: max_tokens {self.max_tokens} < min_tokens {self.min_tokens}")
+        return self
+
+
+def _source_kind(value: Any) -> str:
+    """A source with a ``synthetic`` key is generated; any other names files."""
+    if isinstance(value, dict):
+        return "retrieval" if "synthetic" in value else "file"
+    return "retrieval" if isinstance(value, RetrievalSourceConfig) else "file"
+
+
+AnySource = Annotated[Annotated[SourceConfig, Tag("file")] | Annotated[RetrievalSourceConfig, Tag("retrieval")],
+                      Discriminator(_source_kind)]
+
+
 class DataConfig(StrictConfig):
-    sources: list[SourceConfig] = Field(min_length=1)
-    """The chat sources to mix (the paper: UltraChat-200k, OpenHermes-2.5 and SlimOrca)."""
+    sources: list[AnySource] = Field(min_length=1)
+    """The sources to mix: chat files (the paper: UltraChat-200k, OpenHermes-2.5 and SlimOrca; ``uri`` and
+    ``format``) and synthetic retrieval chats (``synthetic: retrieval``)."""
 
     max_seq_len: int = Field(default=8192, gt=8)
     """Tokens per training row; longer examples are truncated (and counted in the log)."""
@@ -73,6 +123,14 @@ class DataConfig(StrictConfig):
 
     seed: int = 0
     """Seed for the file order, source sampling and the workers' shuffle buffers."""
+
+    @model_validator(mode="after")
+    def _retrieval_rows_fit(self) -> DataConfig:
+        for src in self.sources:
+            if isinstance(src, RetrievalSourceConfig) and src.max_tokens > self.max_seq_len:
+                raise ValueError(f"a retrieval source asks for {src.max_tokens}-token rows, over max_seq_len "
+                                 f"{self.max_seq_len} (the answer, at the end, would be cut off)")
+        return self
 
 
 class TrainConfig(StrictConfig):
@@ -116,6 +174,13 @@ class TrainConfig(StrictConfig):
     hidden_loss_weight: float = Field(default=0.0, ge=0)
     """Weight of the MSE between student and teacher second-to-last hidden states (0 = the paper's KL alone)."""
 
+    attention_loss_weight: float = Field(default=0.0, ge=0)
+    """Weight of layer-wise distillation: every SwiftKV layer's attention output, given the teacher's own
+    input to that layer, against the teacher's attention output (squared error relative to the teacher's,
+    averaged over the layers, over the selected positions; ``DistillationObjective.attention_loss``).
+    It teaches each layer's queries and keys what to find without going through the layers above.
+    0 = off (the paper's KL alone); needs ``reuse_teacher_prefix``."""
+
     loss_chunk_tokens: int = Field(default=1024, gt=0)
     """Tokens per KL chunk: full-vocabulary logits exist for this many tokens at a time."""
 
@@ -127,6 +192,13 @@ class TrainConfig(StrictConfig):
 
     seed: int = 0
     """Seed for anything random in the workers."""
+
+
+    @model_validator(mode="after")
+    def _attention_loss_needs_the_prefix(self) -> TrainConfig:
+        if self.attention_loss_weight > 0 and not self.reuse_teacher_prefix:
+            raise ValueError("attention_loss_weight > 0 needs reuse_teacher_prefix: true")
+        return self
 
 
 class ScalingConfig(StrictConfig):
@@ -143,6 +215,20 @@ class ScalingConfig(StrictConfig):
     """How Ray places the workers' bundles (Ray Train's placement group strategy): ``PACK`` fills a
     node before using the next (8 workers on an 8-GPU node); ``STRICT_SPREAD`` puts every worker on
     its own node (one worker per node)."""
+
+
+class InitConfig(StrictConfig):
+    """Where the SwiftKV weights start."""
+
+    method: Literal["copy", "least_squares"] = "copy"
+    """``copy``: SPEC.md's (each layer's own query projection; a group's mean key/value projections).
+    ``least_squares``: the key/value projections fitted to the teacher's K/V on calibration rows
+    (``swiftkv/least_squares_init.py``: one teacher pass, no backprop), the queries copied; not for
+    DeepSeek-V2. A model that is already a SwiftKV checkpoint is trained as it is, whatever this says."""
+
+    calibration_rows: int = Field(default=32, ge=5)
+    """Training rows (the pipeline's first) the least-squares fit reads; every fifth is held out and
+    scores the fit (R², logged and saved as ``init_fit.json`` beside the start)."""
 
 
 class DeepSpeedConfig(StrictConfig):
@@ -179,6 +265,7 @@ class DistillConfig(StrictConfig):
     key_value_group_size: int = Field(default=1, gt=0)
     """AcrossKV group size (1 = off)."""
 
+    init: InitConfig = InitConfig()
     data: DataConfig
     train: TrainConfig = TrainConfig()
     scaling: ScalingConfig = ScalingConfig()

@@ -31,8 +31,9 @@ import pyarrow as pa
 import ray.data
 
 from swiftkv.distill.chat_tokens import tokenize_chat
-from swiftkv.distill.config import DataConfig, SourceConfig
+from swiftkv.distill.config import DataConfig, RetrievalSourceConfig, SourceConfig
 from swiftkv.distill.packing import pack_rows, truncate
+from swiftkv.distill.retrieval_data import check_retrieval_spec, retrieval_chat
 from swiftkv.distill.schemas import MalformedRow, to_messages
 
 if TYPE_CHECKING:
@@ -149,6 +150,28 @@ def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def _retrieval_messages(batch: dict[str, np.ndarray], src: RetrievalSourceConfig, tokenizer_path: str,
+                        heldout: bool, fraction: float) -> pa.Table:
+    tokenizer = load_tokenizer(tokenizer_path)
+    kept = []
+    for index in batch["id"]:
+        messages = retrieval_chat(int(index), src.tasks, src.filler, src.min_tokens, src.max_tokens, src.seed,
+                                  tokenizer)
+        if is_heldout(messages, fraction) == heldout:
+            kept.append({"messages": messages})
+    return pa.Table.from_pylist(kept, schema=MESSAGES_SCHEMA)
+
+
+def check_sources(cfg: DataConfig, tokenizer_path: str) -> None:
+    """Fail before any Ray work, naming the source, when one cannot give rows: a URI with no readable
+    file, a retrieval spec whose filler is missing or whose lengths its templates cannot reach."""
+    for src in cfg.sources:
+        if isinstance(src, RetrievalSourceConfig):
+            check_retrieval_spec(src.tasks, src.filler, src.min_tokens, src.max_tokens, load_tokenizer(tokenizer_path))
+        else:
+            resolve_files(src.uri)
+
+
 def _tokenize_and_pack(batch: pa.Table, tokenizer_path: str, cfg: DataConfig) -> dict[str, np.ndarray]:
     tokenizer = load_tokenizer(tokenizer_path)
     examples, bad, long = [], 0, 0
@@ -177,7 +200,7 @@ def _tokenize_and_pack(batch: pa.Table, tokenizer_path: str, cfg: DataConfig) ->
             for key, dtype in dtypes.items()}
 
 
-def _messages(cfg: DataConfig, heldout: bool) -> ray.data.Dataset:
+def _messages(cfg: DataConfig, heldout: bool, tokenizer_path: str) -> ray.data.Dataset:
     # Blocks of exactly pack_window / sources rows: the union takes one block of each source in turn,
     # so every pack window mixes the sources, and a big file (chitchat's one JSON of 7K conversations)
     # is templated window by window instead of in one task that the first batch waits for. Exact
@@ -187,6 +210,12 @@ def _messages(cfg: DataConfig, heldout: bool) -> ray.data.Dataset:
     rows_per_block = max(1, cfg.pack_window // len(cfg.sources))
     parts = []
     for i, src in enumerate(cfg.sources):
+        if isinstance(src, RetrievalSourceConfig):
+            parts.append(ray.data.range(src.rows).map_batches(
+                _retrieval_messages, batch_format="numpy",
+                fn_kwargs=dict(src=src, tokenizer_path=tokenizer_path, heldout=heldout, fraction=cfg.heldout_fraction),
+            ).repartition(target_num_rows_per_block=rows_per_block, strict=True))
+            continue
         ds = _read(src, cfg.seed + i)
         if src.sample_count is not None:
             ds = ds.limit(src.sample_count)
@@ -210,7 +239,7 @@ def build_datasets(cfg: DataConfig, tokenizer_path: str) -> tuple[ray.data.Datas
     load_tokenizer(tokenizer_path)  # fail here, not in a read task, if it is missing
 
     def packed(heldout: bool) -> ray.data.Dataset:
-        ds = _messages(cfg, heldout).map_batches(
+        ds = _messages(cfg, heldout, tokenizer_path).map_batches(
             _tokenize_and_pack,
             batch_size=cfg.pack_window,
             batch_format="pyarrow",

@@ -22,7 +22,7 @@ from typing import Any
 import fsspec
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.checkpoint_files import write_checkpoint
@@ -101,24 +101,76 @@ def is_swiftkv_checkpoint(path: str) -> bool:
     return AutoConfig.from_pretrained(path).model_type.endswith("_swiftkv")
 
 
+def _starting_folder(parent: str, name: str, key: bytes) -> tuple[str, bool]:
+    """``(parent/<name>-<hash of key>, whether a finished one is there)``."""
+    target = f"{parent.rstrip('/')}/{name}-{hashlib.sha1(key).hexdigest()[:12]}"
+    fs, root = fsspec.core.url_to_fs(target)
+    return target, fs.exists(f"{root}/config.json")
+
+
+def _upload(local: Path, target: str) -> None:
+    """Copy a checkpoint folder to ``target`` (a folder or fsspec URI), ``config.json`` last, so that a
+    copy cut short is never taken for a finished one."""
+    fs, root = fsspec.core.url_to_fs(target)
+    fs.makedirs(root, exist_ok=True)
+    for file in sorted(local.iterdir(), key=lambda f: f.name == "config.json"):
+        fs.put_file(str(file), f"{root}/{file.name}")
+
+
 def convert_once(base: str, parent: str, num_key_value_layers: int | None, key_value_group_size: int) -> str:
     """Write the SwiftKV conversion of the model reference ``base`` under ``parent`` (a folder or an
     fsspec URI such as ``s3://``) and return where: ``student-init-<hash of the arguments>``, so a
-    rerun with the same arguments finds and keeps it, and other arguments never meet a stale one.
-    ``config.json`` is written last, so a conversion cut short is never taken for a finished one."""
-    args = json.dumps([base, num_key_value_layers, key_value_group_size])
-    target = f"{parent.rstrip('/')}/student-init-{hashlib.sha1(args.encode()).hexdigest()[:12]}"
-    fs, root = fsspec.core.url_to_fs(target)
-    if fs.exists(f"{root}/config.json"):
+    rerun with the same arguments finds and keeps it, and other arguments never meet a stale one."""
+    target, done = _starting_folder(parent, "student-init",
+                                    json.dumps([base, num_key_value_layers, key_value_group_size]).encode())
+    if done:
         log.info("reusing the SwiftKV conversion in %s", target)
         return target
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "model"
         convert_checkpoint(base, local, num_key_value_layers, key_value_group_size)
         log.info("uploading the SwiftKV conversion of %s to %s", base, target)
-        fs.makedirs(root, exist_ok=True)
-        for file in sorted(local.iterdir(), key=lambda f: f.name == "config.json"):
-            fs.put_file(str(file), f"{root}/{file.name}")
+        _upload(local, target)
+    return target
+
+
+INIT_FIT = "init_fit.json"
+
+
+def least_squares_once(base: str, parent: str, num_key_value_layers: int | None, key_value_group_size: int,
+                       rows: list[dict[str, Any]], dtype: torch.dtype) -> str:
+    """Write the SwiftKV conversion of ``base`` with its key/value projections fitted by least squares
+    on the calibration ``rows`` (``swiftkv.least_squares_init``) under ``parent``, with the fit's R²
+    in ``init_fit.json``, and return where: ``student-init-ls-<hash of the arguments and rows>``
+    (reused by a rerun, as ``convert_once``)."""
+    from swiftkv.checkpoint_files import has_safetensors
+    from swiftkv.least_squares_init import fit_swiftkv_kv
+
+    key = json.dumps([base, num_key_value_layers, key_value_group_size, str(dtype)]).encode()
+    key += b"".join(row["input_ids"].tobytes() + row["position_ids"].tobytes() for row in rows)
+    target, done = _starting_folder(parent, "student-init-ls", key)
+    if done:
+        log.info("reusing the least-squares start in %s", target)
+        return target
+    path = resolve_model(base)
+    model = convert_model(load_base_model(path, dtype=dtype), num_key_value_layers, key_value_group_size)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fit = fit_swiftkv_kv(model.to(device), ({k: torch.tensor(row[k], device=device)[None] for k in
+                                             ("input_ids", "position_ids")} for row in rows))
+    model.load_state_dict(fit.tensors, strict=False)
+    model.swiftkv(True)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(tmp) / "model"
+        if has_safetensors(path):
+            write_checkpoint(path, dict(model.swiftkv_parameters()), model.config, local)
+        else:
+            model.save_pretrained(local)
+            AutoTokenizer.from_pretrained(path).save_pretrained(local)
+        report = {"r2": fit.r2, "r2_before": fit.copy_r2, "fit_tokens": fit.fit_tokens,
+                  "heldout_tokens": fit.heldout_tokens, **fit.summary()}
+        (local / INIT_FIT).write_text(json.dumps(report, indent=1) + "\n")
+        log.info("uploading the least-squares start of %s to %s", base, target)
+        _upload(local, target)
     return target
 
 

@@ -10,7 +10,8 @@ half-written checkpoint as the latest):
   whose other weights they complete (rank 0): all a checkpoint changes, a few percent of the
   model. ``swiftkv merge`` turns it into a full checkpoint on request.
 - ``model/`` (the last checkpoint only): the full SPEC checkpoint, the starting model's shards
-  copied beside the SwiftKV shard, ready for ``from_pretrained`` and vLLM.
+  copied beside the SwiftKV shard, ready for ``from_pretrained`` and vLLM, with its model card
+  (``README.md``: the recipe and the held-out figures; ``swiftkv.model_card``).
 - ``heldout_curve.json``: every held-out KL / top-1 measurement so far (rank 0).
 
 Exact resume: the data arrive in a fixed order (``data.py``; the trainer preserves it), each worker
@@ -46,6 +47,7 @@ from swiftkv.distill.data import load_tokenizer
 from swiftkv.distill.evaluate import heldout_metrics
 from swiftkv.distill.model_io import load_student, write_swiftkv_part
 from swiftkv.distill.objective import DistillationObjective, freeze_all_but_swiftkv
+from swiftkv.model_card import write_card
 from swiftkv.model_source import resolve_model
 
 DEEPSPEED_DIR = "deepspeed"
@@ -110,8 +112,10 @@ class Worker:
     """One worker's training state; ``run`` is the loop (``train_loop_per_worker`` builds it in a
     Ray Train worker; it needs only a torch process group)."""
 
-    def __init__(self, cfg: DistillConfig, total_steps: int, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(self, cfg: DistillConfig, total_steps: int, rank: int, world_size: int, device: torch.device,
+                 recipe: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
+        self.recipe = recipe or cfg.model_dump()  # as the user gave it, for the model card
         self.total_steps = total_steps
         self.rank, self.world_size, self.device = rank, world_size, device
         torch.manual_seed(cfg.train.seed)
@@ -125,7 +129,7 @@ class Worker:
         trainable = freeze_all_but_swiftkv(self.model)
         self.objective = DistillationObjective(
             self.model, cfg.train.temperature, cfg.train.hidden_loss_weight, cfg.train.loss_chunk_tokens,
-            cfg.train.loss_normalization, cfg.train.reuse_teacher_prefix,
+            cfg.train.loss_normalization, cfg.train.reuse_teacher_prefix, cfg.train.attention_loss_weight,
         )
         optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         warmup = math.ceil(cfg.train.warmup_ratio * total_steps)
@@ -206,6 +210,7 @@ class Worker:
                 write_swiftkv_part(self.model.config, tensors, self.cfg.model, Path(tmp) / SWIFTKV_DIR)
                 if final:
                     write_checkpoint(self.start, tensors, self.model.config, Path(tmp) / MODEL_DIR)
+                    write_card(Path(tmp) / MODEL_DIR, self.model.config, self.recipe, metrics)
                 (Path(tmp) / CURVE_FILE).write_text(json.dumps(self.progress.curve, indent=1))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                              checkpoint_dir_name=f"step_{self.progress.step:08d}")
@@ -294,9 +299,10 @@ class Worker:
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Ray Train entry point: ``{"config": DistillConfig dump, "total_steps": int}``."""
+    """Ray Train entry point: ``{"config": DistillConfig dump, "total_steps": int, "recipe": the config
+    as the user gave it}``."""
     ctx = ray.train.get_context()
     worker = Worker(DistillConfig.model_validate(loop_config["config"]), loop_config["total_steps"],
-                    ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
+                    ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), loop_config.get("recipe"))
     worker.restore()
     worker.run()
