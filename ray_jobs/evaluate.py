@@ -10,6 +10,9 @@ Each finished (model, task) is written to ``out/parts/`` at once, so a failed ta
 itself, and a rerun with the same settings reuses what is there. Then ``results.json``
 (``quality[task][model] = {"score", "stderr", "n"}``, ``long_context[model]``, ``multi_turn[model]``),
 ``report.md`` (the tables), ``needle.png`` and ``multiturn.png`` are written and the tables printed.
+With a ``gate`` section the quality gate's PASS/FAIL lines come first in the report and in
+``results.json`` (``gate``), and go into the judged checkpoint's model card when it is a local folder
+with one (``swiftkv.model_card``).
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ import json
 import logging
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import fsspec
 
 from swiftkv.evaluation.config import EvalConfig
+from swiftkv.evaluation.gate import format_gate, judge
 from swiftkv.evaluation.report import format_report
+from swiftkv.model_card import write_gate
 from swiftkv.model_source import checkpoint_stamp
 from swiftkv.outputs import write_files
 from swiftkv.yaml_config import job_main
@@ -95,7 +101,8 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     pending: dict[Any, tuple[str, str]] = {}
     # Row by row (every model on a task before the next task), so a table cut short is still comparable.
     work = [(s.name, model, lm_eval_task, (ref, s, cfg)) for s in cfg.tasks for model, ref in cfg.models.items()]
-    work += [(name, model, probe_task, (name, ref, cfg)) for name in probes for model, ref in cfg.models.items()]
+    probed = {m: ref for m, ref in cfg.models.items() if cfg.probe_models is None or m in cfg.probe_models}
+    work += [(name, model, probe_task, (name, ref, cfg)) for name in probes for model, ref in probed.items()]
     for name, model, task, args in work:
         path = _part_path(root, model, name)
         if fs.exists(path) and (saved := json.loads(fs.cat(path)))["key"] == part_key(cfg, model, name):
@@ -123,7 +130,14 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
                "quality": {s.name: parts[s.name] for s in cfg.tasks},
                "long_context": parts.get(NEEDLE, {}), "multi_turn": parts.get(MULTITURN, {}),
                "config": cfg.model_dump()}
-    report = f"# swiftkv quality ({cfg.backend} backend, {cfg.data} data)\n\n{format_report(results)}\n"
+    gate = ""
+    if cfg.gate is not None:
+        results["gate"] = judge(results, cfg.gate)
+        gate = format_gate(results["gate"]) + "\n\n"
+        judged = cfg.models[cfg.gate.model]
+        if Path(judged).is_dir() and write_gate(judged, gate):
+            log.info("wrote the gate into the model card of %s", judged)
+    report = f"# swiftkv quality ({cfg.backend} backend, {cfg.data} data)\n\n{gate}{format_report(results)}\n"
     write_files(cfg.out, {"results.json": json.dumps(results, indent=2).encode(), "report.md": report.encode(),
                           **plots(results)})
     print(report)

@@ -7,7 +7,8 @@ base, rewired and distilled models, benchmark prefill, serve the result and ask 
 
 Steps (each writes under ``out``): ``simscore/`` (curve, matrix, suggested cutoffs of the base
 model), ``rewired/`` (the SwiftKV conversion at the cutoff used), ``distill/`` (the Ray Train run and
-its checkpoints), ``eval/`` (the evaluation job's tables and plots for base, rewired and distilled),
+its checkpoints), ``eval/`` (the evaluation job's tables and plots for base, rewired and distilled,
+and the quality gate on the distilled model, first in the report),
 ``bench/`` (vLLM prefill benchmark, base vs SwiftKV), ``serve.log`` (``swiftkv serve`` of the base
 and the distilled model, asked through the ``openai`` client), then ``report.json`` and ``report.md``.
 """
@@ -211,7 +212,10 @@ def run(cfg: MainConfig) -> dict[str, Any]:
     rewired = out / "rewired"
     convert_checkpoint(base, rewired, num_key_value_layers=c, key_value_group_size=recipe.key_value_group_size,
                        overwrite=True)
-    recipe = recipe.model_copy(update={"model": str(rewired), "num_key_value_layers": c})
+    # The distillation starts from the base as the recipe says (its ``init``: the copy start is the
+    # rewired model above; the least-squares start is fitted by the distillation job); ``rewired`` is
+    # the paper's undistilled conversion, the floor of the recovered share.
+    recipe = recipe.model_copy(update={"num_key_value_layers": c})
 
     steps.start("distil", f"{recipe.train.max_steps} steps on Ray Train ({cfg.distill})")
     if not ray.is_initialized():
@@ -239,6 +243,7 @@ def run(cfg: MainConfig) -> dict[str, Any]:
         "cutoff": {"num_key_value_layers": c, "source": source, "simscore_recommended": recommended},
         "key_value_group_size": recipe.key_value_group_size, "simscore": simscore, "distill": metrics,
         "quality": quality["quality"], "long_context": quality["long_context"], "multi_turn": quality["multi_turn"],
+        "gate": quality.get("gate"),
         "prefill_benchmark": {"throughput_tok_s": bench["throughput_tok_s"], "latency": bench["latency"],
                               "kv_capacity": bench["kv_capacity"]},
         "prompts": cfg.prompts, "answers": answers,

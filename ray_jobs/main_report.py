@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from swiftkv.evaluation.gate import format_gate
 from swiftkv.evaluation.report import format_report
 
 PLOTS = [("SimScore of the base model", "simscore/simscore.png"),
@@ -29,8 +30,10 @@ def _benchmark_lines(bench: dict[str, Any]) -> list[str]:
 def write_report(report: dict[str, Any], evaluation: dict[str, Any], out: Path) -> Path:
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     d, cut = report["distill"], report["cutoff"]
-    lines = ["# swiftkv main job" + (" (quick)" if report["quick"] else ""), "",
-             f"- base model: `{report['base_model']}` ({report['num_layers']} layers); cutoff c = "
+    lines = ["# swiftkv main job" + (" (quick)" if report["quick"] else ""), ""]
+    if "gate" in evaluation:  # the first screen: does the distilled model still read its prompt?
+        lines += [format_gate(evaluation["gate"]), ""]
+    lines += [f"- base model: `{report['base_model']}` ({report['num_layers']} layers); cutoff c = "
              f"{cut['num_key_value_layers']} ({cut['source']}; SimScore recommends "
              f"{cut['simscore_recommended']}), AcrossKV g = {report['key_value_group_size']}",
              f"- distillation: {d['steps']} steps; held-out KL {d['heldout_kl_at_start']:.4f} -> "

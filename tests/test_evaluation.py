@@ -41,6 +41,7 @@ def test_mirror_has_the_hubs_splits_and_rows(mirror):
     assert rows["Rowan/hellaswag/default/validation.jsonl"] == 10042
     assert rows["allenai/winogrande/winogrande_xl/validation.jsonl"] == 1267
     assert rows["baber/piqa/default/validation.jsonl"] == 1838
+    assert rows["allenai/sciq/default/validation.jsonl"] == 1000
     assert rows["openai/gsm8k/main/test.jsonl"] == 1319
     subjects = [p for p in rows if p.startswith("cais/mmlu/") and p.endswith("/test.jsonl")]
     assert len(subjects) == 57 and sum(rows[p] for p in subjects) == 14042
@@ -95,7 +96,7 @@ def test_evaluation_job_runs_the_papers_tasks_and_writes_the_table(tiny, tmp_pat
     names = {"ARC-Challenge", "TruthfulQA mc2", "GSM8K-CoT"}  # a log-likelihood, an unavailable, a generative task
     cfg = EvalConfig(models={"a": str(tiny), "b": str(tiny)}, tasks=[t for t in PAPER_TASKS if t.name in names],
                      limit=2, max_gen_toks=4, max_length=1024, out=str(tmp_path / "eval"),
-                     needle=NeedleConfig(lengths=[256, 4096], depths=[0.0, 1.0], samples=1),
+                     needle=NeedleConfig(lengths=[256, 4096], depths=[0.0, 1.0], samples=2),
                      multiturn=MultiTurnConfig(chitchat_conversations=2, max_turns=3, mtbench_questions=2,
                                                history_tokens=8, greedy_tokens=4, recall_gaps=[0, 3],
                                                recall_samples=2))
@@ -112,12 +113,15 @@ def test_evaluation_job_runs_the_papers_tasks_and_writes_the_table(tiny, tmp_pat
                 assert 0.0 <= part["score"] <= 1.0 and part["n"] == 2, part
             assert quality[name]["a"]["score"] == quality[name]["b"]["score"]  # the same weights
         for model in ("a", "b"):
-            # The tiny model has 1,024 positions: 4,096 is cut to fit with room for the answer.
+            # The tiny model has 1,024 positions: 4,096 is cut to fit with room for the answer (16 tokens).
             cells = results["long_context"][model]["cells"]
             assert [(c["length"], c["depth"], c["n"]) for c in cells] == [
-                (256, 0.0, 1), (256, 1.0, 1), (1012, 0.0, 1), (1012, 1.0, 1)]
+                (256, 0.0, 2), (256, 1.0, 2), (1008, 0.0, 2), (1008, 1.0, 2)]
             turns = results["multi_turn"][model]
-            assert turns["recall"]["gaps"] == [0, 3] and all(0 <= a <= 1 for a in turns["recall"]["accuracy"])
+            assert turns["recall"]["gaps"] == [0, 3]
+            for cell in cells + turns["recall"]["cells"]:  # a random student is far from its base: it shows
+                assert 0 <= cell["exact"] <= 1 and cell["logprob"] < 0 and cell["delta"] != 0
+                assert cell["delta"] == pytest.approx(cell["logprob"] - cell["base_logprob"])
             for data, n_turns in (("chitchat", 3), ("mtbench", 2)):
                 assert turns[data]["n"] == 2 and len(turns[data]["kl"]) == n_turns
                 assert all(kl > 0 for kl in turns[data]["kl"]) and all(t > 0 for t in turns[data]["tokens"])
@@ -176,8 +180,8 @@ def test_needle_prompts_have_the_asked_length_and_depth():
         for length in (300, 2048):
             texts = {}
             for depth in (0.0, 0.5, 1.0):
-                ids = prompts.build(length, depth, "harbor", "1234567", random.Random(0))
-                assert len(ids) == length
+                ids, answer = prompts.build(length, depth, "harbor", "1234567", random.Random(0))
+                assert len(ids) == length and tokenizer.decode(answer) == " 1234567"
                 texts[depth] = tokenizer.decode(ids)
                 assert texts[depth].count("The special magic number for harbor is 1234567.") == 1
             # Where the needle sits between the filler's start and end.

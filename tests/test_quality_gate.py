@@ -1,0 +1,74 @@
+"""The quality gate (swiftkv/evaluation/gate.py) and the model card it writes into: PASS/FAIL per
+line from the evaluation's results, the recovered share with its interval, and the card's gate
+section replaced in place."""
+
+from __future__ import annotations
+
+import pytest
+
+from swiftkv.evaluation.gate import GateConfig, format_gate, judge, recovered_share
+from swiftkv.model_card import NO_GATE, card_text, write_gate
+from tests.tiny import tiny_config
+
+
+def _cell(length: int, exact: float, base: float, n: int = 20) -> dict:
+    return {"length": length, "depth": 0.5, "n": n, "exact": exact, "base_exact": base, "logprob": -1.0,
+            "base_logprob": -0.5, "delta": -0.5, "delta_stderr": 0.1}
+
+
+def _results(retrieval_512: float, recall: float) -> dict:
+    return {
+        "long_context": {"distilled": {"cells": [_cell(512, retrieval_512, 1.0), _cell(2048, 0.95, 1.0)]}},
+        "multi_turn": {"distilled": {"recall": {"gaps": [0, 4], "cells": [
+            {"gap": 0, **_cell(0, recall, 1.0)}, {"gap": 4, **_cell(0, recall, 1.0)}]}}},
+        "quality": {"ARC-Easy": {"base": {"score": 0.60, "stderr": 0.02}, "rewired": {"score": 0.40, "stderr": 0.02},
+                                 "distilled": {"score": 0.55, "stderr": 0.02}},
+                    "PIQA": {"base": {"score": 0.70, "stderr": 0.01}, "rewired": {"score": 0.60, "stderr": 0.01},
+                             "distilled": {"score": 0.62, "stderr": 0.01}}},
+    }
+
+
+def test_every_line_passes_or_the_verdict_fails():
+    gate = judge(_results(0.9, 0.95), GateConfig())
+    assert gate["verdict"] == "PASS" and [line["verdict"] for line in gate["lines"]] == ["PASS"] * 4
+    assert gate["lines"][3]["value"] == pytest.approx((0.15 + 0.02) / (0.20 + 0.10))
+    failed = judge(_results(0.85, 0.95), GateConfig())
+    assert failed["verdict"] == "FAIL" and failed["lines"][0]["verdict"] == "FAIL"
+    assert "85% vs the base's 100% (n=20)" in failed["lines"][0]["detail"]
+    text = format_gate(failed)
+    assert text.startswith("**Quality gate for `distilled`: FAIL**") and "| retrieval at 512 tokens | FAIL |" in text
+
+
+def test_missing_probes_are_said_and_never_pass():
+    gate = judge({"long_context": {}, "multi_turn": {}, "quality": {}}, GateConfig())
+    assert gate["verdict"] == "FAIL"
+    assert [line["verdict"] for line in gate["lines"]] == ["not run", "not run", "not run", "n/a"]
+
+
+def test_recovered_share_interval_widens_with_the_errors():
+    quality = _results(1, 1)["quality"]
+    tight = recovered_share(quality, "distilled", "base", "rewired")
+    for parts in quality.values():
+        for part in parts.values():
+            part["stderr"] *= 3
+    wide = recovered_share(quality, "distilled", "base", "rewired")
+    assert tight["share"] == pytest.approx(wide["share"]) and tight["low"] < tight["share"] < tight["high"]
+    assert wide["high"] - wide["low"] == pytest.approx(3 * (tight["high"] - tight["low"]))
+    for parts in quality.values():  # the rewiring lost nothing: no share to speak of
+        parts["rewired"]["score"] = parts["base"]["score"]
+    assert recovered_share(quality, "distilled", "base", "rewired") is None
+
+
+def test_the_card_carries_the_recipe_and_takes_the_gate(tmp_path):
+    recipe = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "num_key_value_layers": 2, "train": {"max_steps": 8}}
+    figures = {"step": 8, "heldout_kl_at_start": 0.9, "heldout_kl": 0.3, "heldout_top1_at_start": 0.4,
+               "heldout_top1": 0.6}
+    (tmp_path / "README.md").write_text(card_text(tiny_config("llama"), recipe, figures))
+    card = (tmp_path / "README.md").read_text()
+    assert card.startswith("---\n") and "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card
+    assert "max_steps: 8" in card and "0.9000 before distillation, 0.3000 after" in card and NO_GATE in card
+    gate = format_gate(judge(_results(0.9, 0.95), GateConfig()))
+    assert write_gate(tmp_path, gate) and write_gate(tmp_path, gate)  # a second evaluation replaces the first
+    card = (tmp_path / "README.md").read_text()
+    assert card.count("Quality gate for `distilled`: PASS") == 1 and NO_GATE not in card
+    assert not write_gate(tmp_path / "elsewhere", gate)  # no card of ours: left alone
