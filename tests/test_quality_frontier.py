@@ -1,0 +1,52 @@
+"""The quality frontier's pieces: the drop-layers baseline's model and budget, and the table and
+plot made from an evaluation's results."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.drop_layers import healed_layers, shortened
+from benchmarks.quality_frontier import format_frontier, frontier_rows, plot_frontier
+from swiftkv.analysis.flops import swiftkv_param_count
+from tests.test_quality_gate import _cell
+from tests.tiny import save_tiny_base
+
+
+def test_the_shortened_model_is_the_bases_first_layers(tmp_path):
+    base = save_tiny_base(tmp_path, "llama", num_hidden_layers=6)
+    short = shortened(base, 4)
+    assert short.config.num_hidden_layers == 4 and base.config.num_hidden_layers == 6
+    ids = torch.randint(3, 200, (1, 12))
+    with torch.no_grad():
+        hidden = base.model(ids, output_hidden_states=True).hidden_states[4]  # the state leaving layer 3
+        want = base.lm_head(base.model.norm(hidden))
+        torch.testing.assert_close(short(ids).logits, want)
+    short.model.layers[0].mlp.up_proj.weight.data.add_(1.0)  # its own weights: the base is untouched
+    assert not torch.equal(short.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)
+    heal = healed_layers(base, 3)
+    per_layer = sum(p.numel() for p in base.model.layers[0].parameters())
+    assert heal * per_layer >= swiftkv_param_count(base.config, 3, 1)[0] > (heal - 1) * per_layer
+
+
+def test_the_table_and_plot_cover_every_model():
+    def needle(exact):
+        return {"cells": [_cell(512, exact, 1.0), _cell(2048, exact / 2, 1.0)]}
+
+    results = {
+        "long_context": {"base": needle(1.0), "swiftkv-c15": needle(0.4), "drop-c15": needle(0.8)},
+        "multi_turn": {m: {"recall": {"gaps": [0], "cells": [{"gap": 0, **_cell(0, 0.5, 1.0)}]}}
+                       for m in ("base", "swiftkv-c15", "drop-c15")},
+        "quality": {"SciQ": {m: {"score": s, "stderr": 0.02, "n": 500}
+                             for m, s in (("base", 0.8), ("swiftkv-c15", 0.7), ("drop-c15", 0.5))}},
+    }
+    facts = {"base": {"method": "base", "cutoff": None, "prefill_saving": 0.0},
+             "swiftkv-c15": {"method": "swiftkv", "cutoff": 15, "prefill_saving": 0.5, "k_r2_least_squares": 0.79,
+                             "v_r2_least_squares": 0.74},
+             "drop-c15": {"method": "drop layers", "cutoff": 15, "prefill_saving": 0.5}}
+    rows = frontier_rows(results, facts)
+    assert [r["model"] for r in rows] == ["base", "swiftkv-c15", "drop-c15"]
+    assert rows[1]["retrieval"]["2048"]["exact"] == 0.2 and rows[2]["tasks"]["SciQ"]["score"] == 0.5
+    table = format_frontier(rows)
+    assert "| swiftkv-c15 | 50% | 0.79 / 0.74 | 40% (-0.5) | 20% (-0.5) | 50% (-0.5) | 70.0 ± 2.0 |" in table
+    assert "n = 20 per length" in table and "n = 500 each" in table
+    assert plot_frontier(rows).startswith(b"\x89PNG")
