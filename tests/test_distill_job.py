@@ -307,7 +307,7 @@ def test_retrieval_rows_and_the_least_squares_start(ray_cluster, tmp_path):
     base = save_tiny_base(tmp_path / "base", "llama", bundled_tokenizer=True)
     sources = [{"uri": str(write_jsonl(ultrachat_rows(40, 13), tmp_path / "chat.jsonl")), "format": "ultrachat"},
                {"synthetic": "retrieval", "rows": 12, "min_tokens": 192, "max_tokens": 384, "filler": "bundled:squad"}]
-    tree = _config(tmp_path / "base", sources, tmp_path / "runs", train={"max_steps": 2, "attention_loss_weight": 1.0},
+    tree = _config(tmp_path / "base", sources, tmp_path / "runs", train={"max_steps": 2},
                    data={"max_seq_len": 384}, init={"method": "least_squares", "calibration_rows": 5})
     cfg = parse_config(tree)
     rows = build_datasets(cfg.data, str(tmp_path / "base"))[0].take_all()

@@ -174,13 +174,6 @@ class TrainConfig(StrictConfig):
     hidden_loss_weight: float = Field(default=0.0, ge=0)
     """Weight of the MSE between student and teacher second-to-last hidden states (0 = the paper's KL alone)."""
 
-    attention_loss_weight: float = Field(default=0.0, ge=0)
-    """Weight of layer-wise distillation: every SwiftKV layer's attention output, given the teacher's own
-    input to that layer, against the teacher's attention output (squared error relative to the teacher's,
-    averaged over the layers, over the selected positions; ``DistillationObjective.attention_loss``).
-    It teaches each layer's queries and keys what to find without going through the layers above.
-    0 = off (the paper's KL alone); needs ``reuse_teacher_prefix``."""
-
     loss_chunk_tokens: int = Field(default=1024, gt=0)
     """Tokens per KL chunk: full-vocabulary logits exist for this many tokens at a time."""
 
@@ -192,13 +185,6 @@ class TrainConfig(StrictConfig):
 
     seed: int = 0
     """Seed for anything random in the workers."""
-
-
-    @model_validator(mode="after")
-    def _attention_loss_needs_the_prefix(self) -> TrainConfig:
-        if self.attention_loss_weight > 0 and not self.reuse_teacher_prefix:
-            raise ValueError("attention_loss_weight > 0 needs reuse_teacher_prefix: true")
-        return self
 
 
 class ScalingConfig(StrictConfig):

@@ -14,7 +14,6 @@ cutoff requires grad, so those layers never kept activations for it.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Literal, NamedTuple
 
 import torch
@@ -57,19 +56,14 @@ class DistillationObjective(nn.Module):
         chunk_tokens: int,
         normalization: Normalization = "tokens",
         reuse_teacher_prefix: bool = True,
-        attention_loss_weight: float = 0.0,
     ):
         super().__init__()
-        if attention_loss_weight > 0 and not reuse_teacher_prefix:
-            raise ValueError("the attention loss needs reuse_teacher_prefix (the student's K/V come from the "
-                             "teacher's state at the cutoff)")
         self.model = model
         self.temperature = temperature
         self.hidden_loss_weight = hidden_loss_weight
         self.chunk_tokens = chunk_tokens
         self.normalization = normalization
         self.reuse_teacher_prefix = reuse_teacher_prefix
-        self.attention_loss_weight = attention_loss_weight
 
     def gather_head_per_forward(self) -> None:
         """Under ZeRO-3 (call after ``deepspeed.initialize``), have DeepSpeed gather the LM head's
@@ -87,63 +81,19 @@ class DistillationObjective(nn.Module):
             **inputs, swiftkv_layers=layers, use_cache=False, output_hidden_states=self.hidden_loss_weight > 0
         )
 
-    @contextmanager
-    def _teacher_attention(self, record: bool):
-        """While open, the teacher's attention of every layer ``>= c`` records its input (the layer's
-        normed state) and its output, by layer index, when ``record``."""
-        seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        if not record:
-            yield seen
-            return
-        layers = self.model.get_decoder().layers
-        c = self.model.config.num_key_value_layers
-
-        def keep(j: int):
-            def hook(_module, args, kwargs, output):
-                seen[j] = (args[0] if args else kwargs["hidden_states"], output[0])
-            return hook
-
-        handles = [layers[j].self_attn.register_forward_hook(keep(j), with_kwargs=True)
-                   for j in range(c, len(layers))]
-        try:
-            yield seen
-        finally:
-            for handle in handles:
-                handle.remove()
-
     def teacher_and_student(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
         """Both models' decoder outputs (``last_hidden_state``, and ``hidden_states`` when the hidden
         loss is on); only the student's carries gradients. No attention mask and no cache:
         transformers reads the restarting position ids as packed examples (see packing.py)."""
-        return self._passes(input_ids, position_ids, record_attention=False)[:2]
-
-    def _passes(self, input_ids: torch.Tensor, position_ids: torch.Tensor, record_attention: bool):
-        """``teacher_and_student``'s outputs, the state at the cutoff and the teacher's attention
-        inputs and outputs after it (``None`` and ``{}`` when not reusing the prefix or not recorded)."""
         if not self.reuse_teacher_prefix:
             with torch.no_grad():
                 teacher = self._decoder(False, "all", input_ids=input_ids, position_ids=position_ids)
-            return teacher, self._decoder(True, "all", input_ids=input_ids, position_ids=position_ids), None, {}
-        with torch.no_grad(), self._teacher_attention(record_attention) as attention:
+            return teacher, self._decoder(True, "all", input_ids=input_ids, position_ids=position_ids)
+        with torch.no_grad():
             prefix = self._decoder(False, "to_cutoff", input_ids=input_ids, position_ids=position_ids)
             state = prefix.last_hidden_state
             teacher = self._decoder(False, "from_cutoff", inputs_embeds=state, position_ids=position_ids)
-        student = self._decoder(True, "from_cutoff", inputs_embeds=state, position_ids=position_ids)
-        return teacher, student, state, attention
-
-    def attention_loss(self, state: torch.Tensor, position_ids: torch.Tensor,
-                       attention: dict[int, tuple[torch.Tensor, torch.Tensor]], selected: torch.Tensor) -> torch.Tensor:
-        """Layer-wise distillation: each SwiftKV layer's attention output, given the teacher's own
-        input to that layer, against the teacher's attention output; the squared error over the
-        selected positions relative to the teacher output's mean square there (so that every layer
-        weighs alike whatever its scale), summed over those positions and averaged over the layers."""
-        student = self.model.get_decoder().swiftkv_attention_outputs(
-            state, position_ids, {j: inputs for j, (inputs, _) in attention.items()})
-        total = state.new_zeros(())
-        for j, (_, teacher) in attention.items():
-            t, s = teacher[selected].float(), student[j][selected].float()
-            total = total + (s - t).pow(2).sum() / t.pow(2).sum(-1).mean().clamp_min(1e-12)
-        return total / len(attention)
+        return teacher, self._decoder(True, "from_cutoff", inputs_embeds=state, position_ids=position_ids)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor, token_scale: float = 1.0
@@ -157,7 +107,7 @@ class DistillationObjective(nn.Module):
         selected tokens divided by all positions of the micro-batch, the MSE averaged over all of
         them; ``token_scale`` is ignored."""
         selected = loss_mask.bool()
-        teacher, student, state, attention = self._passes(input_ids, position_ids, self.attention_loss_weight > 0)
+        teacher, student = self.teacher_and_student(input_ids, position_ids)
         width = student.last_hidden_state.shape[-1]
         kl_sum = chunked_kl_sum(
             self.model.get_output_embeddings().weight,
@@ -177,8 +127,4 @@ class DistillationObjective(nn.Module):
             else:
                 mse = F.mse_loss(s, t)
             loss = loss + self.hidden_loss_weight * mse
-        if self.attention_loss_weight > 0:
-            layerwise = self.attention_loss(state, position_ids, attention, selected)
-            loss = loss + self.attention_loss_weight * layerwise * (token_scale if self.normalization == "tokens"
-                                                                     else 1.0 / selected.numel())
         return LossParts(loss=loss, kl_sum=kl_sum.detach(), tokens=int(selected.sum()))

@@ -129,7 +129,7 @@ class Worker:
         trainable = freeze_all_but_swiftkv(self.model)
         self.objective = DistillationObjective(
             self.model, cfg.train.temperature, cfg.train.hidden_loss_weight, cfg.train.loss_chunk_tokens,
-            cfg.train.loss_normalization, cfg.train.reuse_teacher_prefix, cfg.train.attention_loss_weight,
+            cfg.train.loss_normalization, cfg.train.reuse_teacher_prefix,
         )
         optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         warmup = math.ceil(cfg.train.warmup_ratio * total_steps)

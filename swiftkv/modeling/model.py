@@ -156,24 +156,6 @@ class SwiftKVModelMixin:
             past_key_values=past_key_values if use_cache else None,
         )
 
-    def swiftkv_attention_outputs(
-        self, cutoff_state: torch.Tensor, position_ids: torch.Tensor, layer_inputs: dict[int, torch.Tensor]
-    ) -> dict[int, torch.Tensor]:
-        """The student's attention output (after ``o_proj``) of each layer ``j >= c`` in
-        ``layer_inputs``, its queries from ``layer_inputs[j]`` (that layer's normed input) and its
-        K/V from ``cutoff_state`` (the state entering layer ``c``, not normed). Layer-wise
-        distillation compares them with the teacher's attention outputs on the same inputs. For
-        training: no cache."""
-        masks = self._causal_masks(cutoff_state, None, None, position_ids)
-        kinds = layer_types(self.config)
-        rope = self.rotary_emb(cutoff_state, position_ids=position_ids)
-        key_values = self._swiftkv_key_values(cutoff_state, rope, None)
-        return {
-            j: self.layers[j].self_attn(x, position_embeddings=rope, attention_mask=masks[kinds[j]],
-                                        position_ids=position_ids, swiftkv_kv=key_values[j])[0]
-            for j, x in layer_inputs.items()
-        }
-
     def _swiftkv_key_values(
         self, cutoff_state: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], past_key_values
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
