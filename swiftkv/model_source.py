@@ -94,7 +94,7 @@ def _bundled_swiftkv() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
         if not (out / "config.json").is_file():
-            convert_checkpoint(BUNDLED, out, cutoff=0.5, overwrite=True)
+            convert_checkpoint(str(ensure_bundled_model()), out, cutoff=0.5, overwrite=True)
     return out
 
 

@@ -114,7 +114,7 @@ def convert_once(base: str, parent: str, num_key_value_layers: int | None, key_v
         return target
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "model"
-        convert_checkpoint(base, local, num_key_value_layers, key_value_group_size)
+        convert_checkpoint(resolve_model(base), local, num_key_value_layers, key_value_group_size)
         log.info("uploading the SwiftKV conversion of %s to %s", base, target)
         fs.makedirs(root, exist_ok=True)
         for file in sorted(local.iterdir(), key=lambda f: f.name == "config.json"):
