@@ -106,7 +106,7 @@ def measure_replica(options: ModelOptions, input_lens: list[int], batches: list[
 def _decode_step_s(llm, prompts, batch: int, context: int, rounds: int, decode_tokens: int, salt: int) -> float:
     """Median over rounds of the extra seconds per output token of ``batch`` sequences of ``context``
     prompt tokens (fresh prompts every run, so no prefix cache helps)."""
-    from benchmarks.bench_vllm import offline_throughput
+    from serve_apps.offline_timing import offline_throughput
 
     steps = []
     for r in range(rounds):
@@ -121,7 +121,7 @@ def _decode_step_s(llm, prompts, batch: int, context: int, rounds: int, decode_t
 
 def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[int], num_prompts: int,
              rounds: int, decode_contexts: list[int], decode_tokens: int) -> dict[str, Any]:
-    from benchmarks.bench_vllm import PromptMaker, offline_throughput
+    from serve_apps.offline_timing import PromptMaker, offline_throughput
 
     context = llm.llm_engine.vllm_config.model_config.max_model_len
     lens = sorted({min(n, context - decode_tokens - 2) for n in input_lens})

@@ -1,7 +1,8 @@
-"""The random Llamas the benchmarks run beside the bundled SmolLM2. ``random-llama``: 16 layers,
-hidden 1024, GQA with 16 query / 4 KV heads (about 0.25B parameters), the bundled tokenizer's
-49,152-token vocabulary and 16K positions, small enough for a CPU. ``random-llama-8b``: the shape
-of Llama-3.1-8B (32 layers, hidden 4096, 32 / 8 heads, 128,256-token vocabulary; 8.0B parameters),
+"""The random Llamas that speed measurements run beside the bundled SmolLM2 (the benchmarks and
+the vLLM engine benchmark, ``ray_jobs/bench_vllm.py``). ``random-llama``: 16 layers, hidden 1024,
+GQA with 16 query / 4 KV heads (about 0.25B parameters), the bundled tokenizer's 49,152-token
+vocabulary and 16K positions, small enough for a CPU. ``random-llama-8b``: the shape of
+Llama-3.1-8B (32 layers, hidden 4096, 32 / 8 heads, 128,256-token vocabulary; 8.0B parameters),
 for a GPU. Speed does not depend on the weights, so random ones (seed 0) do."""
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import torch
 from pydantic import Field, model_validator
 from tqdm import tqdm
 
+from serve_apps.offline_timing import PromptMaker, offline_throughput, sampling_params
 from swiftkv.outputs import figure_png
 from swiftkv.yaml_config import StrictConfig
 
@@ -39,7 +40,7 @@ class ServingBenchConfig(StrictConfig):
     """One benchmark run (``ray_jobs/configs/bench-*.yaml``); defaults are the issue's matrix."""
 
     model: str = "bundled"
-    """Base checkpoint: ``bundled`` (SmolLM2-135M-Instruct), ``random-llama`` (``benchmarks/random_llama.py``),
+    """Base checkpoint: ``bundled`` (SmolLM2-135M-Instruct), ``random-llama`` (``swiftkv/random_llama.py``),
     a local folder, a hub id or an ``s3://`` folder."""
 
     cutoff: float = Field(default=0.5, gt=0, lt=1)
@@ -138,12 +139,12 @@ def prepare_models(cfg: ServingBenchConfig) -> list[Variant]:
     control when asked for."""
     from transformers import AutoConfig
 
-    from benchmarks.random_llama import NAME as RANDOM_LLAMA
-    from benchmarks.random_llama import random_llama
     from swiftkv.bundled import copy_bundled_tokenizer
     from swiftkv.config import cutoff_from_fraction
     from swiftkv.convert import convert_checkpoint
     from swiftkv.model_source import resolve_model
+    from swiftkv.random_llama import NAME as RANDOM_LLAMA
+    from swiftkv.random_llama import random_llama
 
     work = Path(cfg.work_dir)
     if cfg.model == RANDOM_LLAMA:
@@ -210,37 +211,6 @@ def start_engine(variant: Variant, cfg: ServingBenchConfig, max_model_len: int):
     return llm
 
 
-class PromptMaker:
-    """Random prompts, never repeated, the same sequence for every engine of a round."""
-
-    def __init__(self, vocab: int, seed: int) -> None:
-        self.vocab, self.seed = vocab, seed
-
-    def batch(self, key: int, count: int, length: int) -> list[list[int]]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
-        return torch.randint(10, self.vocab, (count, length), generator=gen).tolist()
-
-
-def _params(output_len: int):
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    # Cumulative outputs at every step, so the first token's time is seen when it is made.
-    return SamplingParams(
-        temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.CUMULATIVE
-    )
-
-
-def offline_throughput(llm, prompts: list[list[int]], output_len: int) -> float:
-    """(input + output) tokens/s for all prompts submitted at once."""
-    from vllm import TokensPrompt
-
-    start = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], _params(output_len), use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs) / elapsed
-
-
 def fixed_rate_latency(llm, prompts: list[list[int]], output_len: int, rate: float, tag: str):
     """TTFT and TPOT (seconds) of requests arriving every ``1 / rate`` seconds, served by stepping
     the in-process engine (so no client process competes with the engine for the cores)."""
@@ -257,7 +227,7 @@ def fixed_rate_latency(llm, prompts: list[list[int]], output_len: int, rate: flo
         while next_request < len(prompts) and arrivals[next_request] <= now:
             prompt = TokensPrompt(prompt_token_ids=prompts[next_request])
             ids[f"{tag}-{next_request}"] = next_request  # outputs carry the id given here
-            engine.add_request(f"{tag}-{next_request}", prompt, _params(output_len))
+            engine.add_request(f"{tag}-{next_request}", prompt, sampling_params(output_len))
             next_request += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[next_request] - now))
