@@ -19,7 +19,7 @@ median. That is the figure for N replicas sharing one host's CPUs or memory band
 slower together than one alone (on this 2-core machine two SmolLM2 replicas side by side decode 1.5
 times slower and prefill 1.2-1.3 times slower than one).
 
-The result is written as JSON, a profile the fleet simulator reads (``swiftkv/fleet/profile.py``),
+The result is written as JSON, a profile the fleet simulator reads (``serve_apps/fleet/profile.py``),
 and printed as the YAML lines to paste into the config.
 """
 

@@ -15,7 +15,7 @@ import random
 import time
 from typing import Any
 
-from swiftkv.fleet.trace import Trace, TraceRequest
+from serve_apps.fleet.trace import Trace, TraceRequest
 
 BURST_BLOCK_TOKENS = 16  # prompt blocks of a Burst's requests (each request's first one is new)
 FIRST_TOKEN_ID = 10  # below this, special tokens in most vocabularies

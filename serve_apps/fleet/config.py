@@ -7,8 +7,8 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from serve_apps.config import AutoscalingOptions, RoutingOptions
-from swiftkv.fleet.synthetic import SyntheticConfig, generate
-from swiftkv.fleet.trace import Trace, read_trace, scale_lengths, stretch, superpose, window
+from serve_apps.fleet.synthetic import SyntheticConfig, generate
+from serve_apps.fleet.trace import Trace, read_trace, scale_lengths, stretch, superpose, window
 from swiftkv.yaml_config import StrictConfig
 
 
@@ -149,7 +149,7 @@ class SimulateConfig(StrictConfig):
     """The requests."""
 
     profile: str
-    """A profile file (``swiftkv calibrate`` output, or ``swiftkv/fleet/profiles/*.yaml``)."""
+    """A profile file (``swiftkv calibrate`` output, or ``serve_apps/fleet/profiles/*.yaml``)."""
 
     fleet: FleetConfig
     """The fleet."""

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import math
 
-from swiftkv.fleet.config import FleetConfig
-from swiftkv.fleet.profile import ModelFigures, Profile
-from swiftkv.fleet.results import summarize
-from swiftkv.fleet.simulator import simulate
-from swiftkv.fleet.trace import Trace, TraceRequest
+from serve_apps.fleet.config import FleetConfig
+from serve_apps.fleet.profile import ModelFigures, Profile
+from serve_apps.fleet.results import summarize
+from serve_apps.fleet.simulator import simulate
+from serve_apps.fleet.trace import Trace, TraceRequest
 
 HARDWARE = "1 x NVIDIA H100 80GB SXM (derived from the SwiftKV paper's figures, not measured)"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -97,7 +97,7 @@ def _variant(name: str, flops_per_s: float, kv_bytes: float) -> ModelFigures:
         decode_step_s_by_batch=step_s, decode_context_tokens=1024, decode_step_s_by_context=by_context,
         decode_context_batch=64, kv_cache_tokens=int(kv_bytes // per_token),
         max_num_batched_tokens=PAPER_MAX_BATCHED_TOKENS, max_num_seqs=256, startup_s=STARTUP_S,
-        notes="derived by swiftkv.fleet.paper_profile (see its docstring): prefill from the paper's 8K "
+        notes="derived by serve_apps.fleet.paper_profile (see its docstring): prefill from the paper's 8K "
               "throughput and Fig. 2 time ratio over our FLOPs model; decode, KV capacity and start-up "
               "from the H100 data sheet and stated assumptions",
     )
@@ -130,7 +130,7 @@ def derive() -> Profile:
             high = mid
     flops_per_s = (low + high) / 2
     return Profile(
-        source=f"derived, not measured: `swiftkv fleet derive-h100` (swiftkv/fleet/paper_profile.py); base "
+        source=f"derived, not measured: `swiftkv fleet derive-h100` (serve_apps/fleet/paper_profile.py); base "
                f"prefill at {flops_per_s / 1e12:.0f} TFLOP/s effective, fitted to the paper's 8K throughput",
         models={name: _variant(name, flops_per_s, kv) for name in ("base", "swiftkv-50", "swiftkv-50-acrosskv")},
     )

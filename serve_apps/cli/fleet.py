@@ -1,4 +1,4 @@
-"""``swiftkv fleet``: the fleet simulator (``swiftkv/fleet/``): one fleet, the comparison report,
+"""``swiftkv fleet``: the fleet simulator (``serve_apps/fleet/``): one fleet, the comparison report,
 the validation against a real endpoint, and the H100 profile derived from the paper."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 DESCRIPTION = (
     "Replay a request trace (the Mooncake format, or a synthetic workload) through simulated vLLM replicas "
-    "modelled from a profile (`swiftkv calibrate` output, or swiftkv/fleet/profiles/), autoscaled and routed "
+    "modelled from a profile (`swiftkv calibrate` output, or serve_apps/fleet/profiles/), autoscaled and routed "
     "by the real code: our prefill policy and router from serve_apps/, or Serve's request-count policy and "
     "power-of-two router, driven through Ray Serve's own classes on a simulated clock."
 )
@@ -21,9 +21,9 @@ def add_parser(subparsers) -> None:
     for name, help_text in (
         ("simulate", "one fleet on some traffic: figures and a replicas/TTFT timeline (a SimulateConfig YAML)"),
         ("report", "every variant x fleet x router on the same traffic, the table, the targets, the plot "
-                   "(a ReportConfig YAML, e.g. swiftkv/fleet/configs/report-h100.yaml)"),
+                   "(a ReportConfig YAML, e.g. serve_apps/fleet/configs/report-h100.yaml)"),
         ("validate", "the simulator against a real `swiftkv serve` endpoint on the same trace slice "
-                     "(a ValidateConfig YAML, e.g. swiftkv/fleet/configs/validate-cpu.yaml)"),
+                     "(a ValidateConfig YAML, e.g. serve_apps/fleet/configs/validate-cpu.yaml)"),
     ):
         sub = actions.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("--config", required=True, help="the YAML config")
@@ -54,18 +54,18 @@ def add_parser(subparsers) -> None:
     resim.set_defaults(func=run)
     derive = actions.add_parser("derive-h100", help="derive the H100 profile from the paper's figures",
                                 description="Write the Llama-3.1-8B on one H100 profile derived (not measured) "
-                                "from the SwiftKV paper's figures (swiftkv/fleet/paper_profile.py) and print "
+                                "from the SwiftKV paper's figures (serve_apps/fleet/paper_profile.py) and print "
                                 "the paper figures it was not fitted to beside what it gives for them.")
-    derive.add_argument("--out", default="swiftkv/fleet/profiles/h100-llama-3.1-8b.json", help="profile to write")
+    derive.add_argument("--out", default="serve_apps/fleet/profiles/h100-llama-3.1-8b.json", help="profile to write")
     derive.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from swiftkv.fleet.profile import load_profile, save_profile
+    from serve_apps.fleet.profile import load_profile, save_profile
     from swiftkv.yaml_config import load_config
 
     if args.action == "derive-h100":
-        from swiftkv.fleet.paper_profile import checks, derive
+        from serve_apps.fleet.paper_profile import checks, derive
 
         profile = derive()
         save_profile(profile, args.out)
@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: paper {figures['paper']:,.0f}, simulated {figures['simulated']:,.0f}")
         print(f"wrote {args.out}")
     elif args.action == "calibrate-serve":
-        from swiftkv.fleet.serve_profile import calibrate_through_serve
-        from swiftkv.fleet.validate import ValidateConfig
+        from serve_apps.fleet.serve_profile import calibrate_through_serve
+        from serve_apps.fleet.validate import ValidateConfig
 
         cfg = load_config(ValidateConfig, args.config, args.set, what="fleet validate config")
         if cfg.profile is None:
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(profile.model_dump(mode="json", exclude_defaults=True), indent=1))
         print(f"wrote {args.out}")
     elif args.action == "resimulate":
-        from swiftkv.fleet.validate import format_validation, resimulate
+        from serve_apps.fleet.validate import format_validation, resimulate
         from swiftkv.outputs import write_files
 
         result = resimulate(args.folder)
@@ -93,20 +93,20 @@ def run(args: argparse.Namespace) -> int:
             write_files(args.out, {"resimulation.json": json.dumps(result, indent=1).encode()})
             print(f"wrote {args.out}/resimulation.json")
     elif args.action == "simulate":
-        from swiftkv.fleet.config import SimulateConfig
-        from swiftkv.fleet.run import run_simulate
+        from serve_apps.fleet.config import SimulateConfig
+        from serve_apps.fleet.run import run_simulate
 
         cfg = load_config(SimulateConfig, args.config, args.set, what="fleet simulate config")
         print(json.dumps(run_simulate(cfg, load_profile(cfg.profile)), indent=1))
     elif args.action == "report":
-        from swiftkv.fleet.report import ReportConfig, format_report, run_report
+        from serve_apps.fleet.report import ReportConfig, format_report, run_report
 
         cfg = load_config(ReportConfig, args.config, args.set, what="fleet report config")
         results = run_report(cfg, load_profile(cfg.profile))
         print(format_report(cfg, results["runs"], results["targets"]))
         print(f"wrote {cfg.out}/results.json, report.md, timeline.png")
     else:
-        from swiftkv.fleet.validate import ValidateConfig, format_validation, run_validate
+        from serve_apps.fleet.validate import ValidateConfig, format_validation, run_validate
 
         cfg = load_config(ValidateConfig, args.config, args.set, what="fleet validate config")
         print(format_validation(run_validate(cfg)))

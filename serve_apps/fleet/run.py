@@ -7,11 +7,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from swiftkv.fleet.config import SimulateConfig
-from swiftkv.fleet.plots import timeline_png
-from swiftkv.fleet.profile import Profile
-from swiftkv.fleet.results import summarize, timeline
-from swiftkv.fleet.simulator import simulate
+from serve_apps.fleet.config import SimulateConfig
+from serve_apps.fleet.plots import timeline_png
+from serve_apps.fleet.profile import Profile
+from serve_apps.fleet.results import summarize, timeline
+from serve_apps.fleet.simulator import simulate
 from swiftkv.outputs import write_files
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from swiftkv.outputs import figure_png
 
 if TYPE_CHECKING:
-    from swiftkv.fleet.host_load import HostSample
+    from serve_apps.fleet.host_load import HostSample
 
 
 def timeline_png(timelines: dict[str, list[dict[str, float]]], slo_ttft_s: float) -> bytes:

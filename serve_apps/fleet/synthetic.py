@@ -9,7 +9,7 @@ import random
 
 from pydantic import Field, model_validator
 
-from swiftkv.fleet.trace import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
+from serve_apps.fleet.trace import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 from swiftkv.yaml_config import StrictConfig
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from swiftkv.fleet.config import FrontEndCalibration
-from swiftkv.fleet.profile import ReplicaCosts
-from swiftkv.fleet.replay import Burst
+from serve_apps.fleet.config import FrontEndCalibration
+from serve_apps.fleet.profile import ReplicaCosts
+from serve_apps.fleet.replay import Burst
 
 
 def measure_front_end(burst: Burst, replicas: int, costs: ReplicaCosts, cal: FrontEndCalibration) -> dict[str, float]:

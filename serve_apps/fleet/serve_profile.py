@@ -24,10 +24,10 @@ import statistics
 import time
 from typing import Any
 
-from swiftkv.fleet.config import ServeCalibration
-from swiftkv.fleet.profile import ModelFigures, Profile
-from swiftkv.fleet.replay import Burst
-from swiftkv.fleet.validate import ValidateConfig, served_name, serving
+from serve_apps.fleet.config import ServeCalibration
+from serve_apps.fleet.profile import ModelFigures, Profile
+from serve_apps.fleet.replay import Burst
+from serve_apps.fleet.validate import ValidateConfig, served_name, serving
 
 
 def measure(burst: Burst, replicas: int, cal: ServeCalibration, rounds: int) -> dict[str, Any]:

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from ray.serve._private.common import ReplicaID
 
 from serve_apps.config import ModelOptions
-from swiftkv.fleet.config import FleetConfig
-from swiftkv.fleet.profile import Profile, ReplicaCosts
-from swiftkv.fleet.replica import Replica, SimRequest
-from swiftkv.fleet.serve_control import Autoscaler, Router, SimReplicaHandle
-from swiftkv.fleet.trace import Trace
+from serve_apps.fleet.config import FleetConfig
+from serve_apps.fleet.profile import Profile, ReplicaCosts
+from serve_apps.fleet.replica import Replica, SimRequest
+from serve_apps.fleet.serve_control import Autoscaler, Router, SimReplicaHandle
+from serve_apps.fleet.trace import Trace
 
 # Event kinds, in the order they are handled when they fall at the same time.
 READY, REPLICA, ARRIVAL, METRICS, STATS, CONTROL, TIMELINE, DEADLINE = range(8)

@@ -22,12 +22,12 @@ import fsspec
 from pydantic import Field
 from tqdm import tqdm
 
-from swiftkv.fleet.config import FleetConfig, FleetSettings, TrafficConfig
-from swiftkv.fleet.plots import timeline_png
-from swiftkv.fleet.profile import Profile, ReplicaCosts
-from swiftkv.fleet.results import summarize, timeline
-from swiftkv.fleet.simulator import simulate
-from swiftkv.fleet.trace import Trace
+from serve_apps.fleet.config import FleetConfig, FleetSettings, TrafficConfig
+from serve_apps.fleet.plots import timeline_png
+from serve_apps.fleet.profile import Profile, ReplicaCosts
+from serve_apps.fleet.results import summarize, timeline
+from serve_apps.fleet.simulator import simulate
+from serve_apps.fleet.trace import Trace
 from swiftkv.outputs import write_files
 from swiftkv.yaml_config import StrictConfig
 

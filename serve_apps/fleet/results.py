@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from serve_apps.fleet.simulator import RunResult
 from serve_apps.load import percentile
-from swiftkv.fleet.simulator import RunResult
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

@@ -38,8 +38,8 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingP
 from serve_apps.app import autoscaling_config, request_router_config
 from serve_apps.asgi import ForwardedRequest
 from serve_apps.config import ModelOptions
+from serve_apps.fleet.replica import Replica, SimRequest
 from serve_apps.hints import PromptHint
-from swiftkv.fleet.replica import Replica, SimRequest
 
 DEPLOYMENT = DeploymentID(name="model-fleet", app_name="fleet")
 

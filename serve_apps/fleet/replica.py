@@ -27,8 +27,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from serve_apps.fleet.profile import ModelFigures, ReplicaCosts
 from serve_apps.load import LoadTracker, ReplicaLoad
-from swiftkv.fleet.profile import ModelFigures, ReplicaCosts
 
 EPS = 1e-6
 

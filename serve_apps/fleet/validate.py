@@ -4,7 +4,7 @@ through the simulator; TTFT p50/p90 and throughput are compared.
 
 What the simulator runs on is measured on this machine in the same command, just before the replay
 (``measure``): the engine profile (``swiftkv calibrate``, the replicas side by side), the
-endpoint's front end (:mod:`swiftkv.fleet.front_end`) and the shared-host slowdown (the cores the
+endpoint's front end (:mod:`serve_apps.fleet.front_end`) and the shared-host slowdown (the cores the
 engines had with none idle while calibrated over those they had serving the warm-up). On a shared
 host the speed drifts by the hour (this machine: the same replay's TTFT p50 3.1-3.8 s one day, 1.9 s
 the next), so figures from another hour would compare the simulator with another machine.
@@ -27,16 +27,16 @@ from typing import Any
 import fsspec
 from pydantic import Field
 
+from serve_apps.fleet.config import FleetConfig, FleetSettings, ServeCalibration, TrafficConfig, ValidateMeasurement
+from serve_apps.fleet.front_end import measure_front_end
+from serve_apps.fleet.host_load import HostLoad
+from serve_apps.fleet.plots import validation_png
+from serve_apps.fleet.profile import Profile, ReplicaCosts, load_profile, profile_json
+from serve_apps.fleet.replay import PASS_SALT, PROMPT_VOCAB, WARMUP_SALT, Burst, replay
+from serve_apps.fleet.results import summarize
+from serve_apps.fleet.simulator import RunResult, simulate
+from serve_apps.fleet.trace import Trace, shuffle_simultaneous, window
 from serve_apps.load import percentile
-from swiftkv.fleet.config import FleetConfig, FleetSettings, ServeCalibration, TrafficConfig, ValidateMeasurement
-from swiftkv.fleet.front_end import measure_front_end
-from swiftkv.fleet.host_load import HostLoad
-from swiftkv.fleet.plots import validation_png
-from swiftkv.fleet.profile import Profile, ReplicaCosts, load_profile, profile_json
-from swiftkv.fleet.replay import PASS_SALT, PROMPT_VOCAB, WARMUP_SALT, Burst, replay
-from swiftkv.fleet.results import summarize
-from swiftkv.fleet.simulator import RunResult, simulate
-from swiftkv.fleet.trace import Trace, shuffle_simultaneous, window
 from swiftkv.outputs import write_files
 from swiftkv.yaml_config import StrictConfig, parse_config, read_yaml_mapping
 
@@ -59,7 +59,7 @@ class ValidateConfig(StrictConfig):
     model: str = "swiftkv-50"
     """The profile's variant the served model is."""
 
-    serve_config: str = "swiftkv/fleet/configs/serve-smollm2-cpu-2-replicas.yaml"
+    serve_config: str = "serve_apps/fleet/configs/serve-smollm2-cpu-2-replicas.yaml"
     """The Serve config ``swiftkv serve`` runs (its first model is the one replayed against)."""
 
     replicas: int = Field(default=2, gt=0)
