@@ -142,6 +142,7 @@ def prepare_models(cfg: ServingBenchConfig) -> list[Variant]:
     from swiftkv.bundled import copy_bundled_tokenizer
     from swiftkv.config import cutoff_from_fraction
     from swiftkv.convert import convert_checkpoint
+    from swiftkv.file_modes import make_readable
     from swiftkv.model_source import resolve_model
     from swiftkv.random_llama import NAME as RANDOM_LLAMA
     from swiftkv.random_llama import random_llama
@@ -152,6 +153,7 @@ def prepare_models(cfg: ServingBenchConfig) -> list[Variant]:
         if not (base / "config.json").exists():
             random_llama(torch.bfloat16).save_pretrained(base)
             copy_bundled_tokenizer(base)
+            make_readable(base)
     else:
         base = Path(resolve_model(cfg.model))
     num_layers = AutoConfig.from_pretrained(base).num_hidden_layers

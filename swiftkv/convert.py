@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from swiftkv.checkpoint_files import ShardedTensors, has_safetensors, write_checkpoint
 from swiftkv.config import check_swiftkv_shape, cutoff_from_fraction, default_cutoff
+from swiftkv.file_modes import make_readable
 from swiftkv.modeling import FAMILIES
 from swiftkv.modeling.attention import is_group_leader
 
@@ -160,6 +161,7 @@ def convert_checkpoint(
             swift = convert_model(load_base_model(path), config.num_key_value_layers, key_value_group_size)
             swift.save_pretrained(tmp)
             AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
+        make_readable(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
