@@ -15,6 +15,9 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
+from collections.abc import Sequence
+from importlib.abc import Loader
+from importlib.machinery import ModuleSpec
 from types import ModuleType
 
 CONFIGURATION_AUTO = "transformers.models.auto.configuration_auto"
@@ -31,10 +34,10 @@ class _ThenRegister:
 
     under_way = threading.local()
 
-    def __init__(self, loader) -> None:
+    def __init__(self, loader: Loader) -> None:
         self.loader = loader
 
-    def create_module(self, spec) -> ModuleType | None:
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -55,7 +58,7 @@ class _ThenRegister:
 class _Watch:
     """Finds transformers' modules as the other finders do, giving each a :class:`_ThenRegister` loader."""
 
-    def find_spec(self, name: str, path, target=None):
+    def find_spec(self, name: str, path: Sequence[str] | None, target: ModuleType | None = None) -> ModuleSpec | None:
         if name != "transformers" and not name.startswith("transformers."):
             return None
         for finder in sys.meta_path:
