@@ -29,14 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.random_llama import NAME as RANDOM_LLAMA
-from benchmarks.random_llama import SHAPES, random_llama
 from swiftkv.convert import convert_model
 from swiftkv.distill.chat_tokens import ChatTokens, tokenize_chat
 from swiftkv.distill.model_io import load_student
 from swiftkv.distill.objective import DistillationObjective, freeze_all_but_swiftkv
 from swiftkv.distill.packing import pack_rows
 from swiftkv.model_source import resolve_model
+from swiftkv.random_llama import NAME as RANDOM_LLAMA
+from swiftkv.random_llama import SHAPES, random_llama
 
 VARIANTS = {"current": False, "new": True}  # name -> reuse_teacher_prefix
 

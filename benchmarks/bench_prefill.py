@@ -3,7 +3,7 @@
 For each model and prompt length, the teacher (SwiftKV off) and the students at each cutoff run
 the generate-style prefill (a cache, ``logits_to_keep=1``) in interleaved rounds; the table gives
 the median student/teacher time ratio beside the FLOPs model's prediction. Models: the bundled
-SmolLM2-135M-Instruct and the random Llamas of ``benchmarks/random_llama.py`` (the 8B-shaped one
+SmolLM2-135M-Instruct and the random Llamas of ``swiftkv/random_llama.py`` (the 8B-shaped one
 needs a GPU; models run on the GPU when there is one). Ratios, not absolute times, are the result:
 timings on a shared CPU are noisy.
 
@@ -23,11 +23,11 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from benchmarks.random_llama import SHAPES, random_llama
 from swiftkv.analysis.flops import predicted_prefill_ratio
 from swiftkv.bundled import ensure_bundled_model
 from swiftkv.config import cutoff_from_fraction
 from swiftkv.convert import convert_model
+from swiftkv.random_llama import SHAPES, random_llama
 
 log = logging.getLogger("bench_prefill")
 

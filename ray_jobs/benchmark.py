@@ -1,5 +1,5 @@
 """vLLM serving benchmark as a Ray job: the base model, SwiftKV and SwiftKV + AcrossKV on the same
-weights, measured side by side (``benchmarks/bench_vllm.py`` says what and how).
+weights, measured side by side (``ray_jobs/bench_vllm.py`` says what and how).
 
     python -m ray_jobs.benchmark --config ray_jobs/configs/bench-smollm2-cpu.yaml
     ray job submit --working-dir . -- python -m ray_jobs.benchmark \\
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 
-from benchmarks.bench_vllm import ServingBenchConfig, format_report, plot_png, run_benchmark
+from ray_jobs.bench_vllm import ServingBenchConfig, format_report, plot_png, run_benchmark
 from swiftkv.outputs import write_files
 from swiftkv.yaml_config import job_main
 

@@ -174,7 +174,7 @@ def run(cfg: MainConfig) -> dict[str, Any]:
     import ray
     from transformers import AutoConfig, AutoTokenizer
 
-    from benchmarks.bench_vllm import ServingBenchConfig
+    from ray_jobs.bench_vllm import ServingBenchConfig
     from ray_jobs.benchmark import run as run_benchmark
     from ray_jobs.distill import run as run_distill
     from ray_jobs.evaluate import run as run_evaluate

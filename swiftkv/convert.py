@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from swiftkv.checkpoint_files import ShardedTensors, has_safetensors, write_checkpoint
 from swiftkv.config import check_swiftkv_shape, cutoff_from_fraction, default_cutoff
-from swiftkv.model_source import resolve_model
+from swiftkv.file_modes import make_readable
 from swiftkv.modeling import FAMILIES
 from swiftkv.modeling.attention import is_group_leader
 
@@ -124,7 +124,7 @@ def load_base_model(path: str, dtype: str | torch.dtype = "auto") -> PreTrainedM
 
 
 def convert_checkpoint(
-    base: str,
+    base: str | Path,
     out: str | Path,
     num_key_value_layers: int | None = None,
     key_value_group_size: int = 1,
@@ -132,6 +132,9 @@ def convert_checkpoint(
     overwrite: bool = False,
 ) -> Path:
     """Write a SwiftKV checkpoint (safetensors, config, tokenizer, chat template) for ``base`` to ``out``.
+
+    ``base`` is a local folder or hub id: ``swiftkv.model_source.resolve_model`` turns any model
+    reference into one (and builds ``bundled-swiftkv`` with this function).
 
     ``cutoff`` (a fraction of the layers) is an alternative to ``num_key_value_layers``.
     The folder appears whole or not at all: it is written beside ``out`` and renamed at the end.
@@ -141,7 +144,7 @@ def convert_checkpoint(
         raise ValueError(f"output folder {out} exists and is not empty (pass overwrite=True / --overwrite)")
     if cutoff is not None and num_key_value_layers is not None:
         raise ValueError("give either a cutoff fraction or num_key_value_layers, not both")
-    path = resolve_model(base)
+    path = str(base)
     base_config = _base_config(path)
     if cutoff is not None:
         num_key_value_layers = cutoff_from_fraction(base_config.num_hidden_layers, cutoff)
@@ -158,6 +161,7 @@ def convert_checkpoint(
             swift = convert_model(load_base_model(path), config.num_key_value_layers, key_value_group_size)
             swift.save_pretrained(tmp)
             AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
+        make_readable(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -10,10 +10,8 @@ on the start of the assistant's reply, which the model then continues."""
 
 
 def load_chat_model(path: str, dtype: str = "float32"):
-    """``(model, tokenizer)`` of a checkpoint folder in eval mode, SwiftKV classes registered."""
+    """``(model, tokenizer)`` of a checkpoint folder in eval mode (SwiftKV checkpoints included)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import swiftkv.modeling  # noqa: F401  (registers the SwiftKV classes with transformers' Auto classes)
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     return model, AutoTokenizer.from_pretrained(path)

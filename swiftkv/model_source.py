@@ -14,6 +14,7 @@ import fsspec
 from fsspec.callbacks import TqdmCallback
 
 from swiftkv.bundled import BUNDLED, MODEL_DIR_NAME, cache_root, ensure_bundled_model
+from swiftkv.file_modes import make_readable
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ def _download(uri: str) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # no partial copy is left in the cache
         raise
+    make_readable(tmp)
     try:
         tmp.rename(local)
     except OSError:  # another process on this node finished first
@@ -94,7 +96,7 @@ def _bundled_swiftkv() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
         if not (out / "config.json").is_file():
-            convert_checkpoint(BUNDLED, out, cutoff=0.5, overwrite=True)
+            convert_checkpoint(str(ensure_bundled_model()), out, cutoff=0.5, overwrite=True)
     return out
 
 

@@ -16,10 +16,10 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import LlamaTokenizerFast, PreTrainedTokenizerFast, Qwen2TokenizerFast
 
+from swiftkv.chat_schemas import MalformedRow
 from swiftkv.distill import chat_tokens, data
 from swiftkv.distill.chat_tokens import ChatTokens, assistant_spans, tokenize_chat
 from swiftkv.distill.config import DataConfig, SourceConfig
-from swiftkv.distill.schemas import MalformedRow
 
 # Chat templates of three model families, verbatim (they are data: the `chat_template` field of each
 # model's tokenizer_config.json on the Hugging Face hub, read from public copies on GitHub since the

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoConfig
 
-import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.bundled import ensure_bundled_model
 from swiftkv.convert import convert_checkpoint
-from tests.tiny import save_tiny_base
+from tests.tiny import save_tiny_base, tiny_swiftkv_model
 
 TRANSFORMERS4 = Path(__file__).resolve().parents[1] / ".cache" / "transformers4" / "bin" / "python"
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -78,3 +79,34 @@ def test_configs_in_the_published_form_read_the_same(tmp_path, group_size):
     assert type(config).__name__ == "LlamaSwiftKVConfig"
     assert config.rope_parameters == LLAMA31_ROPE
     assert (config.num_key_value_layers, config.key_value_group_size) == (16, group_size)
+
+
+# Plain transformers, no swiftkv imported, trust_remote_code off (its default).
+WITHOUT_SWIFTKV = """
+import sys
+import transformers
+from transformers import AutoConfig
+try:
+    AutoConfig.from_pretrained(sys.argv[1])
+except ValueError as err:
+    print("refused:", "llama_swiftkv" in str(err))
+if sys.argv[2:]:
+    import torch
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(sys.argv[1]).eval()
+    torch.save(model(torch.tensor([[3, 1, 4, 1, 5]])).logits, sys.argv[2])
+"""
+
+
+def test_without_swiftkv_the_auto_classes_refuse_and_the_family_class_loads_the_teacher(tmp_path):
+    """What a stack without swiftkv does with our checkpoints (documented in docs/model.md): the Auto
+    classes do not know ``llama_swiftkv`` (4.x and 5.x); ``LlamaForCausalLM`` loads the base model in
+    it, the teacher, and leaves the SwiftKV tensors out."""
+    model = tiny_swiftkv_model("llama")
+    model.save_pretrained(tmp_path / "swiftkv")
+    for python, extra in ((TRANSFORMERS4, []), (sys.executable, [str(tmp_path / "logits.pt")])):
+        done = subprocess.run([str(python), "-c", WITHOUT_SWIFTKV, str(tmp_path / "swiftkv"), *extra],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "refused: True" in done.stdout, done.stderr[-3000:]
+    teacher = model.swiftkv(False)(torch.tensor([[3, 1, 4, 1, 5]]), use_cache=False).logits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), teacher)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
-from swiftkv.cli import VERB_MODULES
+from swiftkv.cli import VERB_GROUP, VERB_MODULES
 from tests.tiny import save_tiny_base
 
 SWIFTKV = str(Path(sys.executable).parent / "swiftkv")
@@ -19,8 +20,11 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_every_verb_without_importing_the_heavy_stack():
     out = run("--help")
     assert out.returncode == 0
-    for module in VERB_MODULES:
-        assert module.rsplit(".", 1)[1] in out.stdout
+    added = [entry.name for entry in entry_points(group=VERB_GROUP)]
+    # The Serve app's verbs reach the command through the package's entry points.
+    assert sorted(added) == ["calibrate", "fleet", "serve"], "stale install: rerun scripts/setup.sh (pip install -e .)"
+    for verb in [module.rsplit(".", 1)[1] for module in VERB_MODULES] + added:
+        assert f"\n    {verb} " in out.stdout
     # What makes --help and argument errors answer at once: building every verb's parser imports
     # none of torch, transformers, Ray or vLLM (each takes seconds to import).
     probe = ("import sys; from swiftkv.cli import build_parser; build_parser(); "

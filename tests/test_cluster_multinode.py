@@ -33,7 +33,6 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from ray.util.state import list_actors
 from transformers import AutoModelForCausalLM
 
-import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from serve_apps.subprocess_server import free_port
 from swiftkv.bundled import copy_bundled_tokenizer
 from tests.distill_data import ultrachat_rows, write_parquet

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoTokenizer
 
 from swiftkv.bundled import ensure_bundled_model
+from swiftkv.chat_schemas import MalformedRow, to_messages
 from swiftkv.distill.chat_tokens import ChatTokens, tokenize_chat
 from swiftkv.distill.packing import pack_rows
-from swiftkv.distill.schemas import MalformedRow, to_messages
 from tests.distill_data import CHITCHAT_ROW, OPENHERMES_ROW, SLIMORCA_ROW, ULTRACHAT_ROW
 from tests.tiny import tiny_swiftkv_model
 

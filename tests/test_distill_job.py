@@ -30,6 +30,7 @@ from swiftkv.distill import data
 from swiftkv.distill.config import DataConfig, parse_config
 from swiftkv.distill.data import build_datasets
 from tests.distill_data import sharegpt_rows, ultrachat_rows, write_jsonl, write_parquet
+from tests.file_modes import unreadable
 from tests.s3_server import moto_s3_server, s3_env
 from tests.tiny import save_tiny_base, tiny_swiftkv_model
 
@@ -127,6 +128,7 @@ def test_s3_data_and_storage_zero3_distils_and_checkpoints_what_changes(ray_clus
     assert not any("/model/" in f for f in earlier) and any(f.endswith("swiftkv/swiftkv.safetensors") for f in earlier)
     s3.get(kept[0], str(tmp_path / "step6"), recursive=True)
     assert cli(["merge", str(tmp_path / "step6"), str(tmp_path / "merged")]) == 0
+    assert unreadable(tmp_path / "merged") == []  # others can read it (safetensors writes 0600)
     merged = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "merged").named_parameters())
     part = load_file(tmp_path / "step6" / "swiftkv" / "swiftkv.safetensors")
     assert set(part) == {n for n, _ in model.swiftkv_parameters()}
@@ -203,6 +205,8 @@ def test_a_killed_run_resumes_onto_the_same_data_and_ends_with_the_same_weights(
     (init,) = (tmp_path / "killed" / "swiftkv-distill").glob("student-init-*/config.json")
     assert AutoConfig.from_pretrained(init.parent).num_key_value_layers == 2
     converted_at = init.stat().st_mtime_ns
+    # Others can read what the run wrote: its checkpoints (the last with the model) and the conversion.
+    assert unreadable(Path(uninterrupted.checkpoint.path).parent) == [] and unreadable(init.parent) == []
 
     # The same storage path again, asking for two more steps: it resumes at step 8.
     longer = tree("killed")

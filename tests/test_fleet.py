@@ -10,14 +10,14 @@ import pytest
 
 import serve_apps.policy
 import serve_apps.router
-from swiftkv.fleet.config import FleetConfig, TrafficConfig
-from swiftkv.fleet.profile import ModelFigures, Profile, ReplicaCosts, load_profile, save_profile
-from swiftkv.fleet.results import summarize
-from swiftkv.fleet.simulator import simulate
-from swiftkv.fleet.synthetic import SyntheticConfig, generate
-from swiftkv.fleet.trace import Trace, TraceRequest, read_trace, scale_lengths, superpose, window, write_trace
+from serve_apps.fleet.config import FleetConfig, TrafficConfig
+from serve_apps.fleet.profile import ModelFigures, Profile, ReplicaCosts, load_profile, save_profile
+from serve_apps.fleet.results import summarize
+from serve_apps.fleet.simulator import simulate
+from serve_apps.fleet.synthetic import SyntheticConfig, generate
+from serve_apps.fleet.trace import Trace, TraceRequest, read_trace, scale_lengths, superpose, window, write_trace
 
-PROFILES = Path(__file__).resolve().parents[1] / "swiftkv" / "fleet" / "profiles"
+PROFILES = Path(__file__).resolve().parents[1] / "serve_apps" / "fleet" / "profiles"
 
 
 def figures(rate: float = 1000.0, step_s: float = 0.01, budget: int = 257, kv_tokens: int = 10**6,
@@ -78,7 +78,7 @@ def test_a_shared_host_slows_the_steps_started_while_every_replica_is_busy():
     300-token prompt starts on an idle host (0.3 s); the second, started while the other replica is
     busy, takes 0.45 s; a lone one later 0.3 s again. Without the slowdown each takes 0.3 s. The
     validation's slowdown is the engines' cores with none idle, calibration over serving."""
-    from swiftkv.fleet.validate import shared_host_slowdown
+    from serve_apps.fleet.validate import shared_host_slowdown
 
     requests = [TraceRequest(0.0, 300, 1, blocks(0, 3)), TraceRequest(0.0, 300, 1, blocks(10, 3)),
                 TraceRequest(2.0, 300, 1, blocks(20, 3))]
@@ -100,8 +100,8 @@ def test_simultaneous_arrivals_in_another_order_change_the_percentiles_by_hand()
     1.0 / 0.99 / 0.1 (p50 0.99, p90 1.0). 100 first: it alone to 0.1 s, the 900 in two steps to 1.0 s,
     TTFTs 0.1 / 0.99 / 0.1 (p50 0.1, p90 0.99). Shuffling keeps every request and the arrival times
     and groups only arrivals within ``tie_s``."""
-    from swiftkv.fleet.trace import shuffle_simultaneous
-    from swiftkv.fleet.validate import order_runs, order_spread
+    from serve_apps.fleet.trace import shuffle_simultaneous
+    from serve_apps.fleet.validate import order_runs, order_spread
 
     trace = Trace((TraceRequest(0.0, 900, 1, blocks(0, 9)), TraceRequest(0.01, 100, 1, (50,)),
                    TraceRequest(2.0, 100, 1, (60,))), 100)
@@ -254,8 +254,8 @@ def test_calibration_output_is_a_profile(tmp_path):
 
 
 def test_a_profile_measured_through_serve_keeps_the_engine_limits_and_round_trips(tmp_path):
-    from swiftkv.fleet.serve_profile import serve_figures
-    from swiftkv.fleet.validate import ValidateConfig
+    from serve_apps.fleet.serve_profile import serve_figures
+    from serve_apps.fleet.validate import ValidateConfig
 
     engine = load_profile(PROFILES / "cpu-smollm2.json").figures("swiftkv-50")
     cfg = ValidateConfig(traffic=TrafficConfig(trace="unused.jsonl"), profile="unused.json", replicas=2,
@@ -325,7 +325,7 @@ def test_bad_input_is_named(tmp_path):
 
 
 def test_a_validation_without_measure_needs_a_profile():
-    from swiftkv.fleet.validate import ValidateConfig, simulation_inputs
+    from serve_apps.fleet.validate import ValidateConfig, simulation_inputs
 
     cfg = ValidateConfig(traffic=TrafficConfig(trace="unused.jsonl"), measure=None)
     with pytest.raises(ValueError, match="needs `profile` when `measure` is null"):
@@ -338,7 +338,7 @@ def test_a_validation_without_measure_needs_a_profile():
 def test_each_replay_pass_has_its_own_token_ids_with_the_traces_sharing():
     """A salted pass keeps which prompts share which blocks and shares no block with another pass or
     the warm-up (so no pass finds another's prefix cache); its ids stay in the prompt vocabulary."""
-    from swiftkv.fleet.replay import FIRST_TOKEN_ID, PASS_SALT, PROMPT_VOCAB, WARMUP_SALT, prompt_ids, salted
+    from serve_apps.fleet.replay import FIRST_TOKEN_ID, PASS_SALT, PROMPT_VOCAB, WARMUP_SALT, prompt_ids, salted
 
     trace = Trace((TraceRequest(0.0, 48, 1, (1, 2, 3)), TraceRequest(1.0, 40, 1, (1, 2, 4))), 16)
     base = [prompt_ids(r, i, 16, PROMPT_VOCAB) for i, r in enumerate(trace.requests)]
@@ -359,7 +359,7 @@ def test_repeated_passes_are_pooled_by_hand():
     """Two passes: TTFTs pooled before the percentiles (nearest rank over 0.1..0.6: p50 0.3, p90 0.6;
     the passes' own are 0.3 / 0.5 and 0.4 / 0.6), throughput over the sum of the passes' spans (the
     pause between them left out): 12 tokens over 2.5 + 3.5 s."""
-    from swiftkv.fleet.validate import pooled_figures
+    from serve_apps.fleet.validate import pooled_figures
 
     def record(sent, ttft, latency, tokens=2):
         return {"sent_s": sent, "ttft_s": ttft, "latency_s": latency, "output_tokens": tokens}
@@ -381,9 +381,9 @@ def test_a_saved_validation_is_simulated_again_by_hand(tmp_path, capsys):
     0.9 / 1.2 / 0.1, pooled p50 0.9 and p90 1.2), no random orders: ratios 1.1 and 0.83, and each
     measured request beside its simulated TTFT. With random orders the simulated figures pool them
     with the trace's order (p50 0.1 or 0.99), and the trace's order alone is kept beside them."""
+    from serve_apps.fleet.profile import profile_json
+    from serve_apps.fleet.validate import ValidateConfig, resimulate
     from swiftkv.cli import main
-    from swiftkv.fleet.profile import profile_json
-    from swiftkv.fleet.validate import ValidateConfig, resimulate
 
     write_trace(Trace((TraceRequest(0.0, 900, 1, blocks(0, 2)), TraceRequest(0.01, 100, 1, (50,)),
                        TraceRequest(2.0, 100, 1, (60,))), 512), tmp_path / "slice.jsonl")
@@ -469,19 +469,19 @@ def test_simulate_and_report_write_their_figures(tmp_path, capsys, monkeypatch):
         "fast/prefill/prefill"}
     # every run's figures are kept, and a second report reads them back instead of simulating again
     assert len(list((tmp_path / "report" / "runs").glob("*.json"))) >= 12
-    monkeypatch.setattr("swiftkv.fleet.report.simulate", lambda *args, **kwargs: pytest.fail("simulated again"))
+    monkeypatch.setattr("serve_apps.fleet.report.simulate", lambda *args, **kwargs: pytest.fail("simulated again"))
     assert main(["fleet", "report", "--config", str(report)]) == 0
     assert json.loads((tmp_path / "report" / "results.json").read_text())["runs"] == written["runs"]
 
 
 def test_the_h100_profile_is_what_its_derivation_gives():
-    from swiftkv.fleet.paper_profile import derive
+    from serve_apps.fleet.paper_profile import derive
 
     assert derive() == load_profile(PROFILES / "h100-llama-3.1-8b.json")
 
 
 def test_the_validation_table_names_each_ratio_and_the_replicas_slowdown():
-    from swiftkv.fleet.validate import format_validation
+    from serve_apps.fleet.validate import format_validation
 
     figures = {"ttft_p50_s": 8.59, "ttft_p90_s": 17.1, "output_tokens_per_s": 7.21, "failed": 0}
     simulated = {"ttft_p50_s": 6.26, "ttft_p90_s": 14.9, "output_tokens_per_s": 7.26}
@@ -531,8 +531,8 @@ def test_host_load_tells_this_runs_processes_from_the_hosts_others():
     import sys
     import time
 
-    from swiftkv.fleet.host_load import HostLoad
-    from swiftkv.fleet.plots import validation_png
+    from serve_apps.fleet.host_load import HostLoad
+    from serve_apps.fleet.plots import validation_png
 
     spin = "import time\nt = time.time()\nwhile time.time() - t < 2: pass"
     with HostLoad(period_s=0.25) as host:
@@ -552,7 +552,7 @@ def test_host_load_tells_this_runs_processes_from_the_hosts_others():
 
 
 def test_trace_description_on_a_hand_computed_trace():
-    from swiftkv.fleet.trace import Trace, TraceRequest, describe
+    from serve_apps.fleet.trace import Trace, TraceRequest, describe
 
     trace = Trace((TraceRequest(0.0, 1000, 10, (1, 2)), TraceRequest(30.0, 1500, 20, (1, 2, 3)),
                    TraceRequest(90.0, 500, 30, (4,))), block_tokens=512)

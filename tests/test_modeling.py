@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.modeling import LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM
 from tests.tiny import tiny_config, tiny_swiftkv_model
 

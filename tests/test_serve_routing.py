@@ -68,9 +68,9 @@ def test_calibration_through_the_endpoint_measures_both_replicas_curves(endpoint
     """`swiftkv fleet calibrate-serve`'s measurement on this real endpoint: bursts of fresh prompts
     through Serve (every request answered with exactly the tokens asked, or it raises), prefill rates
     by length and decode steps by batch and context, all positive."""
-    from swiftkv.fleet.config import ServeCalibration
-    from swiftkv.fleet.replay import Burst
-    from swiftkv.fleet.serve_profile import measure
+    from serve_apps.fleet.config import ServeCalibration
+    from serve_apps.fleet.replay import Burst
+    from serve_apps.fleet.serve_profile import measure
 
     cal = ServeCalibration(input_lens=[16, 256], batches=[1, 4], decode_contexts=[64], decode_context_tokens=16,
                            num_prompts=1, decode_tokens=8, rounds=1)
@@ -87,12 +87,12 @@ def test_the_front_end_is_measured_through_the_endpoint(endpoint):
     bursts of one prompt per replica, every request answered; both figures non-negative and
     together under three lone short prompts' TTFT (a pair put on one replica, the second waiting for
     the first's prefill, or a front end that queued whole requests would not be)."""
-    from swiftkv.fleet.config import FrontEndCalibration
-    from swiftkv.fleet.front_end import measure_front_end
-    from swiftkv.fleet.profile import ReplicaCosts, load_profile
-    from swiftkv.fleet.replay import Burst
+    from serve_apps.fleet.config import FrontEndCalibration
+    from serve_apps.fleet.front_end import measure_front_end
+    from serve_apps.fleet.profile import ReplicaCosts, load_profile
+    from serve_apps.fleet.replay import Burst
 
-    profile = Path(__file__).resolve().parents[1] / "swiftkv" / "fleet" / "profiles" / "cpu-smollm2.json"
+    profile = Path(__file__).resolve().parents[1] / "serve_apps" / "fleet" / "profiles" / "cpu-smollm2.json"
     costs = ReplicaCosts.from_figures(load_profile(profile).figures("swiftkv-50"))
     burst = Burst(endpoint.url, "routed", 180)
     lone = burst.send(1, 16, 1)[0]["ttft_s"]
@@ -105,9 +105,9 @@ def test_the_front_end_is_measured_through_the_endpoint(endpoint):
 def test_the_validation_replays_its_slice_in_passes_through_the_endpoint(endpoint):
     """`swiftkv fleet validate`'s repeated replay on this real endpoint: two passes of a three-request
     slice, every request answered with its tokens, each pass after the last one's end and the pause."""
-    from swiftkv.fleet.host_load import HostLoad
-    from swiftkv.fleet.trace import Trace, TraceRequest
-    from swiftkv.fleet.validate import ValidateConfig, pooled_figures, replay_passes
+    from serve_apps.fleet.host_load import HostLoad
+    from serve_apps.fleet.trace import Trace, TraceRequest
+    from serve_apps.fleet.validate import ValidateConfig, pooled_figures, replay_passes
 
     trace = Trace((TraceRequest(0.0, 32, 2, (1, 2)), TraceRequest(0.2, 48, 2, (1, 2, 3)),
                    TraceRequest(0.4, 32, 2, (4, 5))), 16)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from benchmarks.bench_vllm import ServingBenchConfig
+from ray_jobs.bench_vllm import ServingBenchConfig
 from ray_jobs.benchmark import main, run
 from swiftkv.yaml_config import parse_config
 from tests.tiny import save_tiny_base

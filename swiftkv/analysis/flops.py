@@ -48,8 +48,6 @@ def load_config(spec: str | Path):
     """A transformers config from a ``config.json`` path, a model folder or a hub id (offline: cached)."""
     from transformers import AutoConfig
 
-    import swiftkv.modeling  # noqa: F401  (registers the *_swiftkv configs)
-
     if str(spec).endswith(".json") and not Path(spec).is_file():
         raise FileNotFoundError(f"config file {spec} does not exist")
     try:

@@ -27,8 +27,8 @@ import torch
 from tqdm import tqdm
 
 from swiftkv.bundled import BUNDLED, bundled_chat_data
+from swiftkv.chat_schemas import MalformedRow, to_messages
 from swiftkv.config import DEFAULT_SIMSCORE_THRESHOLD, cutoff_from_fraction
-from swiftkv.distill.schemas import MalformedRow, to_messages
 from swiftkv.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ Messages = list[dict[str, str]]
 
 
 def _row_format(row) -> tuple[str, dict]:
-    """Guess a row's chat schema (see ``swiftkv.distill.schemas``); a bare list is a messages list."""
+    """Guess a row's chat schema (see ``swiftkv.chat_schemas``); a bare list is a messages list."""
     if isinstance(row, list):
         return "messages", {"messages": row}
     if isinstance(row, dict) and "conversations" in row:

@@ -1,7 +1,12 @@
-"""``swiftkv <verb>``: each verb lives in its own module of this package and is a thin call
-into the library. A verb module exposes ``add_parser(subparsers)`` which registers the verb and
-sets ``func`` (called with the parsed arguments). Verb modules import only light modules at the
-top (no torch, transformers, Ray or vLLM), so ``--help`` and argument errors answer at once."""
+"""``swiftkv <verb>``: each verb lives in its own module and is a thin call into the code that
+does the work. A verb module exposes ``add_parser(subparsers)`` which registers the verb and sets
+``func`` (called with the parsed arguments). Verb modules import only light modules at the top (no
+torch, transformers, Ray or vLLM), so ``--help`` and argument errors answer at once.
+
+The library's verbs are modules of this package. Verbs that build on an application (the Serve
+app's ``serve``, ``calibrate`` and ``fleet``, in ``serve_apps/cli/``) come in through the
+``swiftkv.verbs`` entry-point group, each naming its ``add_parser``: the library never imports an
+application, and the one command still lists every verb."""
 
 from __future__ import annotations
 
@@ -9,8 +14,10 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
-# Verb modules, in the order `swiftkv --help` lists them.
+# The library's verb modules, in the order `swiftkv --help` lists them (the entry points' verbs follow).
 VERB_MODULES = [
     "swiftkv.cli.convert",
     "swiftkv.cli.merge",
@@ -18,10 +25,16 @@ VERB_MODULES = [
     "swiftkv.cli.bundle",
     "swiftkv.cli.flops",
     "swiftkv.cli.simscore",
-    "swiftkv.cli.serve",
-    "swiftkv.cli.calibrate",
-    "swiftkv.cli.fleet",
 ]
+VERB_GROUP = "swiftkv.verbs"  # where packages built on the library add verbs
+
+
+def verb_adders() -> list[Callable[[Any], None]]:
+    """Every verb's ``add_parser``: this package's, then the entry points' (in their declared order)."""
+    from importlib.metadata import entry_points
+
+    return ([importlib.import_module(name).add_parser for name in VERB_MODULES]
+            + [entry.load() for entry in entry_points(group=VERB_GROUP)])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    for name in VERB_MODULES:
-        importlib.import_module(name).add_parser(subparsers)
+    for add_parser in verb_adders():
+        add_parser(subparsers)
     return parser
 
 

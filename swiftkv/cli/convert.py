@@ -29,9 +29,10 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from swiftkv.convert import convert_checkpoint
+    from swiftkv.model_source import resolve_model
 
     out = convert_checkpoint(
-        args.base, args.out, num_key_value_layers=args.num_key_value_layers,
+        resolve_model(args.base), args.out, num_key_value_layers=args.num_key_value_layers,
         key_value_group_size=args.key_value_group_size, cutoff=args.cutoff, overwrite=args.overwrite,
     )
     print(out)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
-from swiftkv.distill.schemas import MalformedRow, Message
+from swiftkv.chat_schemas import MalformedRow, Message
 
 if TYPE_CHECKING:  # transformers costs seconds to import: Ray Data's read tasks never need it
     from transformers import PreTrainedTokenizerBase

@@ -30,11 +30,11 @@ import numpy as np
 import pyarrow as pa
 import ray.data
 
+from swiftkv.chat_schemas import MalformedRow, to_messages
 from swiftkv.distill.chat_tokens import tokenize_chat
 from swiftkv.distill.config import DataConfig, RetrievalSourceConfig, SourceConfig
 from swiftkv.distill.packing import pack_rows, truncate
 from swiftkv.distill.retrieval_data import check_retrieval_spec, retrieval_chat
-from swiftkv.distill.schemas import MalformedRow, to_messages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -128,7 +128,7 @@ def convert_once(base: str, parent: str, num_key_value_layers: int | None, key_v
         return target
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "model"
-        convert_checkpoint(base, local, num_key_value_layers, key_value_group_size)
+        convert_checkpoint(resolve_model(base), local, num_key_value_layers, key_value_group_size)
         log.info("uploading the SwiftKV conversion of %s to %s", base, target)
         _upload(local, target)
     return target

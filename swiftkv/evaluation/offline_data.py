@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from swiftkv.bundled import cache_root, package_dir
+from swiftkv.file_modes import make_readable
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    make_readable(f.name)
     os.replace(f.name, path)
 
 

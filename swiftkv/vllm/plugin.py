@@ -1,17 +1,17 @@
 """The ``vllm.general_plugins`` entry point (``swiftkv = "swiftkv.vllm.plugin:register"``).
 
 vLLM calls ``register()`` in every process it starts (driver, engine core, workers), so the
-SwiftKV config classes and architectures exist wherever a checkpoint is resolved or built.
+SwiftKV architectures exist wherever a checkpoint is resolved or built (the config classes are
+registered with transformers by importing ``swiftkv``, which loading this entry point does).
 """
 
 from __future__ import annotations
 
 
 def register() -> None:
-    """Register the SwiftKV configs with transformers and the architectures with vLLM."""
+    """Register the SwiftKV architectures with vLLM."""
     from vllm import ModelRegistry
 
-    import swiftkv.modeling  # noqa: F401  (registers the SwiftKV configs with AutoConfig)
     from swiftkv.vllm.engine_config import (
         ARCHITECTURES,
         LATENT_ATTENTION_ARCHITECTURES,
