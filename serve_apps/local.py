@@ -28,6 +28,7 @@ log = logging.getLogger("swiftkv.serve")
 APP_NAME = "swiftkv"
 IMPORT_PATH = "serve_apps.app:build_app"
 PR_SET_CHILD_SUBREAPER = 36
+PROXY_TIMEOUT_MARGIN_S = 5.0
 
 
 def read_app_config(path: str | Path | None, models: list[str], overrides: list[str]) -> AppConfig:
@@ -105,13 +106,43 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def check_exposure(config: AppConfig, host: str) -> None:
+    """Fail closed: an endpoint other hosts can reach needs an API key or an explicit opt-out."""
+    from serve_apps.auth import Auth, is_loopback
+
+    auth = Auth.from_config(config)  # also refuses a key together with insecure_no_auth
+    if not is_loopback(host) and auth.key is None and not auth.open_to_all:
+        raise ValueError(f"--host {host} is reachable from other hosts and no API key is configured: set "
+                         f"{config.api_key_env or 'the api_key_env variable'} (or api_key_file), or pass "
+                         "--insecure-no-auth to serve without one")
+
+
+def _loopback_only_ray() -> None:
+    """Make the local Ray's own services (GCS, raylet, agents, the metrics endpoint) listen on
+    127.0.0.1 only. Ray binds them to the node address, which it takes to be loopback where
+    multi-node clusters are off (this variable, read when Ray is first imported: vLLM imports it)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+
+def _check_ray_is_loopback() -> None:
+    import ray
+
+    from serve_apps.auth import is_loopback
+
+    address = ray.util.get_node_ip_address()
+    if not is_loopback(address):  # Ray was imported before _loopback_only_ray: fail closed
+        raise RuntimeError(f"the local Ray listens on {address}, not on loopback only")
+
+
 def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None, metrics_port: int) -> int:
     """Run until SIGTERM/Ctrl-C; return the exit code."""
-    from serve_apps.model_server import vllm_server_args
+    check_exposure(config, host)
+    _loopback_only_ray()
+    from serve_apps.vllm_app import check_admission, served_engine_config
     from swiftkv.model_source import resolve_model
 
     for model in config.models:  # a bad reference or engine option is one clear error before anything starts
-        vllm_server_args(model, resolve_model(model.model))
+        check_admission(model, served_engine_config(model, resolve_model(model.model))[1])
     _become_subreaper()
     _install_signal_handlers()
     started = False
@@ -125,7 +156,10 @@ def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None,
                  _metrics_export_port=metrics_port, configure_logging=False)
         _install_signal_handlers()  # ray.init replaced them with its own
         started = True
-        serve.start(http_options={"host": host, "port": port})
+        _check_ray_is_loopback()
+        # Serve's own deadline is a backstop behind the ingress's, which answers in OpenAI's format first.
+        serve.start(http_options={"host": host, "port": port,
+                                  "request_timeout_s": config.request_timeout_s + PROXY_TIMEOUT_MARGIN_S})
         names = ", ".join(m.name for m in config.models)
         print(f"swiftkv serve: starting {names} (first start loads and warms up each engine)", flush=True)
         t0 = time.monotonic()
@@ -135,8 +169,8 @@ def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None,
             print(f"swiftkv serve: error: the application failed to start: {err}", file=sys.stderr, flush=True)
             return 1
         print(f"swiftkv serve: ready in {time.monotonic() - t0:.0f} s at http://{host}:{port}/v1 "
-              f"(models: {names}; health: http://{host}:{port}/health; "
-              f"Prometheus metrics: http://127.0.0.1:{metrics_port}/metrics)", flush=True)
+              f"(models: {names}; health: http://{host}:{port}/health/ready; "
+              f"Prometheus metrics, this host only: http://127.0.0.1:{metrics_port}/metrics)", flush=True)
         while True:
             time.sleep(3600)
     except _Stop as stop:
