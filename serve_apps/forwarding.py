@@ -42,6 +42,11 @@ class Limits:
     retry_after_s: float
 
 
+def forward_handle(handle):
+    """A model deployment's handle set to stream its replicas' ``forward``."""
+    return handle.options(method_name="forward", stream=True)
+
+
 class _Retry(Exception):
     """The attempt produced nothing: try once more, avoiding ``replica``."""
 
@@ -51,8 +56,8 @@ class _Retry(Exception):
 
 
 class ModelCall:
-    """One request to one model (``handle``: its deployment), answered before ``deadline``
-    (the event loop's clock)."""
+    """One request to one model, answered before ``deadline`` (the event loop's clock); ``handle``
+    streams the model deployment's ``forward`` (:func:`forward_handle`)."""
 
     def __init__(self, name: str, handle, request: ForwardedRequest, streaming: bool, limits: Limits,
                  deadline: float) -> None:
@@ -88,7 +93,7 @@ class ModelCall:
         return openai_error(504, "The request did not complete within its deadline; it was cancelled.")
 
     async def _attempt(self, request: ForwardedRequest, retry_allowed: bool) -> Response:
-        stream = self.handle.options(method_name="forward", stream=True).remote(request)
+        stream = self.handle.remote(request)
         relayed = False
         try:
             response = await self._answer(stream, retry_allowed)

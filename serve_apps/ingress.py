@@ -22,7 +22,7 @@ from serve_apps.asgi import ForwardedRequest
 from serve_apps.auth import ApiKeyMiddleware, Auth
 from serve_apps.config import AppConfig
 from serve_apps.errors import install_error_handlers, openai_error
-from serve_apps.forwarding import Limits, ModelCall
+from serve_apps.forwarding import Limits, ModelCall, forward_handle
 from serve_apps.hints import prompt_hint
 
 log = logging.getLogger("ray.serve")
@@ -58,7 +58,7 @@ class OpenAIIngress:
 
     def __init__(self, config: AppConfig, models: dict) -> None:
         self.config = config
-        self.models = models  # name -> DeploymentHandle of that model's ModelServer
+        self.models = {name: forward_handle(handle) for name, handle in models.items()}
         self.limits = {m.name: Limits(config.queue_timeout_s, m.retry_after_s) for m in config.models}
         self.min_replicas = {m.name: m.autoscaling.min_replicas for m in config.models}
         self.cards: dict[str, list[dict]] = {}  # each model's card, as its vLLM server gives it (fixed)

@@ -117,11 +117,24 @@ def check_exposure(config: AppConfig, host: str) -> None:
                          "--insecure-no-auth to serve without one")
 
 
-def _loopback_only_ray() -> None:
-    """Make the local Ray's own services (GCS, raylet, agents, the metrics endpoint) listen on
-    127.0.0.1 only. Ray binds them to the node address, which it takes to be loopback where
-    multi-node clusters are off (this variable, read when Ray is first imported: vLLM imports it)."""
+def check_ray_auth(config: AppConfig) -> None:
+    """Fail closed: Serve binds each replica's gRPC port on every interface, and only Ray's token
+    authentication (on by default for a local Ray) keeps other hosts from calling it."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled" and not config.insecure_no_auth:
+        raise ValueError("RAY_AUTH_MODE=disabled turns Ray's token authentication off, and Serve's replicas then take "
+                         "unauthenticated calls from any host on their gRPC ports: unset it, or pass "
+                         "--insecure-no-auth")
+
+
+def _ray_environment() -> None:
+    """Ray settings of the local cluster, as environment variables its processes inherit."""
+    # Ray's own services (GCS, raylet, agents, the metrics endpoint) on 127.0.0.1 only: Ray binds them
+    # to the node address, which it takes to be loopback where multi-node clusters are off (read when
+    # Ray is first imported: vLLM imports it).
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # A replica Serve kills (a failed health check, a drain past its timeout) or that crashes leaves
+    # its vLLM engine-core and worker processes behind, hung ones included: the raylet kills them.
+    os.environ["RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"] = "true"
 
 
 def _check_ray_is_loopback() -> None:
@@ -130,19 +143,20 @@ def _check_ray_is_loopback() -> None:
     from serve_apps.auth import is_loopback
 
     address = ray.util.get_node_ip_address()
-    if not is_loopback(address):  # Ray was imported before _loopback_only_ray: fail closed
+    if not is_loopback(address):  # Ray was imported before _ray_environment: fail closed
         raise RuntimeError(f"the local Ray listens on {address}, not on loopback only")
 
 
 def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None, metrics_port: int) -> int:
     """Run until SIGTERM/Ctrl-C; return the exit code."""
     check_exposure(config, host)
-    _loopback_only_ray()
+    _ray_environment()
     from serve_apps.vllm_app import check_admission, served_engine_config
     from swiftkv.model_source import resolve_model
 
     for model in config.models:  # a bad reference or engine option is one clear error before anything starts
         check_admission(model, served_engine_config(model, resolve_model(model.model))[1])
+    check_ray_auth(config)
     _become_subreaper()
     _install_signal_handlers()
     started = False

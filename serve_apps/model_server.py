@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -116,7 +117,9 @@ class ModelServer:
     def _dead_engine(self) -> list[ResponseStart | bytes]:
         body = json.dumps(error_body(503, f"The engine of replica {self.replica_id} of model {self.options.name} "
                                           "has stopped; it is being replaced. Retry shortly.")).encode()
-        return [ResponseStart(503, [("content-type", "application/json"), (REPLICA_HEADER, self.replica_id)]), body]
+        headers = [("content-type", "application/json"), ("retry-after", str(math.ceil(self.options.retry_after_s))),
+                   (REPLICA_HEADER, self.replica_id)]
+        return [ResponseStart(503, headers), body]
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[Accepted | ResponseStart | bytes]:
         """Serve ``request`` with vLLM's app; stream its response back to the ingress, after an

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tests.tiny import tiny_swiftkv_model
 
 SWIFTKV = str(Path(sys.executable).parent / "swiftkv")
 STARTUP_S = 300
+RAY_TOKEN_AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
 def test_serve_prints_its_url_drains_on_sigterm_and_leaves_nothing(tmp_path):
@@ -31,7 +33,7 @@ def test_serve_prints_its_url_drains_on_sigterm_and_leaves_nothing(tmp_path):
     copy_bundled_tokenizer(tmp_path / "model")
     port, metrics_port = free_port(), free_port()
     log_path = tmp_path / "serve.log"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
+    env = {**os.environ, **RAY_TOKEN_AUTH, "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [SWIFTKV, "serve", "--model", f"tiny={tmp_path / 'model'}", "--port", str(port),
@@ -115,7 +117,7 @@ def test_a_deployment_that_cannot_start_is_an_error_naming_it(tmp_path):
     model = tiny_swiftkv_model("llama", num_hidden_layers=4, num_key_value_layers=2, hidden_size=128)
     model.save_pretrained(tmp_path / "model")
     copy_bundled_tokenizer(tmp_path / "model")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
+    env = {**os.environ, **RAY_TOKEN_AUTH, "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
     proc = subprocess.Popen(
         [SWIFTKV, "serve", "--model", f"tiny={tmp_path / 'model'}", "--port", str(free_port()),
          "--metrics-port", str(free_port()), "--num-cpus", "4",

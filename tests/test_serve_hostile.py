@@ -5,7 +5,7 @@ Checked: a corpus of malformed to adversarial requests each gets a 4xx with an O
 never a 500, and the server keeps serving; a full queue is refused at once with 429, Retry-After
 and an OpenAI body; a request that waits too long for a replica is a 503, one past its deadline a
 504 or a stream's error event and [DONE], and the engine aborts it (nothing left running there);
-a dead engine is a 503 in OpenAI's format and Serve replaces its replica.
+a dead engine is a 503 in OpenAI's format and fails readiness, while liveness holds.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import requests
 
 from serve_apps.app import deployment_name
 from swiftkv.bundled import copy_bundled_tokenizer
-from tests.serve_cluster import APP, CPU_ENV, local_serve, replica_states, wait_for
+from tests.serve_cluster import APP, CPU_ENV, local_serve, wait_for
 from tests.test_serve_app import _metric_total
 from tests.tiny import tiny_swiftkv_model
 
@@ -224,15 +224,18 @@ def _engine_cores(deployment: str) -> list[psutil.Process]:
             if "VLLM::EngineCore" in child.name()]
 
 
-def test_a_dead_engine_is_a_503_and_serve_replaces_its_replica(endpoint):
-    deployment = deployment_name(MODEL)
-    [core] = _engine_cores(deployment)
+def test_a_dead_engine_is_a_503_and_fails_readiness(endpoint):
+    """The engine killed under its replica: requests get a 503 in OpenAI's format at once, and
+    Serve's health check takes the replica out, so readiness says so (the fault test shows the
+    replacement)."""
+    assert requests.get(endpoint.url + "/health/ready", timeout=30).status_code == 200
+    [core] = _engine_cores(deployment_name(MODEL))
     core.kill()
     response = wait_for(lambda: [r for r in [_call(endpoint.url, C, _completion())] if r.status_code == 503], 30,
                         "requests to be refused once the engine died")[0]
     error = response.json()["error"]
     assert error["type"] == "ServiceUnavailableError" and "has stopped" in error["message"]
-    # Serve's health check (the engine's error, then its one-token probe) replaces the replica.
-    wait_for(lambda: replica_states(deployment) == {"RUNNING": 1} and _engine_cores(deployment)
-             and _engine_cores(deployment)[0].pid != core.pid, 240, "Serve to replace the replica")
-    assert _call(endpoint.url, C, _completion(max_tokens=3)).json()["usage"]["completion_tokens"] == 3
+    assert response.headers["retry-after"] == "2"
+    wait_for(lambda: requests.get(endpoint.url + "/health/ready", timeout=30).status_code == 503, 60,
+             "readiness to report the model unavailable")
+    assert requests.get(endpoint.url + "/health", timeout=30).json() == {"status": "ok"}  # the ingress lives
