@@ -105,7 +105,7 @@ class OpenAIIngress:
     async def ready(self, request: Request) -> Response:
         """Readiness: 200 when every model can serve (a replica passing Serve's health check, the
         engine's one-token generation, or a model scaled to zero that Serve will start), else 503.
-        Per-model detail only with the key."""
+        Per-model detail only for a caller every other route would serve."""
         applications = (await asyncio.to_thread(serve.status)).applications
         deployments = applications[serve.get_replica_context().app_name].deployments
         models = {}
@@ -117,7 +117,8 @@ class OpenAIIngress:
             models[name] = {"ready": running > 0 or scaled_to_zero, "running_replicas": running, "status": status}
         ready = all(m["ready"] for m in models.values())
         body: dict = {"status": "ready" if ready else "unavailable"}
-        if app.state.auth.has_key(request.headers.get("authorization", "")):
+        client = request.client.host if request.client else None
+        if app.state.auth.refusal(request.headers.get("authorization", ""), client) is None:
             body["models"] = models
         return JSONResponse(body, status_code=200 if ready else 503)
 

@@ -111,6 +111,30 @@ def test_bad_serve_arguments_are_one_line(args, message, capsys):
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--host", "0.0.0.0"], {}, "--host 0.0.0.0 is reachable from other hosts and no API key is configured: set "
+                                "SWIFTKV_API_KEY (or api_key_file), or pass --insecure-no-auth"),
+    (["--insecure-no-auth"], {"SWIFTKV_API_KEY": "k"}, "insecure_no_auth is set but an API key is configured too"),
+    (["--set", "models.0.max_ongoing_requests=128"], {}, "must be below the engine's max_num_seqs (128)"),
+    ([], {"RAY_AUTH_MODE": "disabled"}, "RAY_AUTH_MODE=disabled turns Ray's token authentication off"),
+])
+def test_serve_fails_closed(args, env, message, capsys, monkeypatch):
+    """An endpoint others can reach needs a key, Ray keeps its token auth, vLLM holds no queue of its
+    own: each refused before anything starts, unless --insecure-no-auth says so on purpose."""
+    import ray
+
+    from swiftkv.cli import main
+
+    monkeypatch.delenv("SWIFTKV_API_KEY", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--model", "m=bundled", *args]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (vLLM may log above it)
+    assert last.startswith("swiftkv serve: error: ") and message in last
+    assert not ray.is_initialized()
+
+
 def test_a_deployment_that_cannot_start_is_an_error_naming_it(tmp_path):
     """An engine vLLM refuses inside the replica (max_model_len over the model's 1,024 positions)
     fails the start after Serve's retry: exit 1, the deployment and vLLM's reason named, nothing left."""

@@ -188,9 +188,14 @@ def test_read_app_config_from_a_serve_config_file_with_models_and_overrides(tmp_
         read_app_config(REPO / "serve_apps" / "smollm2-cpu.yaml", [], ["models.5.name=x"])
 
 
-def test_every_shipped_serve_config_validates():
+def test_every_shipped_serve_config_validates_and_backs_its_deadline_with_serves():
+    import yaml
+
     for path in sorted((REPO / "serve_apps").glob("*.yaml")):
-        assert read_app_config(path, [], []).models, path
+        config = read_app_config(path, [], [])
+        assert config.models, path
+        # Serve's own deadline only backs the application's: the ingress answers first, in OpenAI's format.
+        assert yaml.safe_load(path.read_text())["http_options"]["request_timeout_s"] > config.request_timeout_s
 
 
 # --- the in-process ASGI bridge --------------------------------------------------------------
