@@ -76,7 +76,7 @@ class ModelCall:
             return openai_error(err.status_code, f"Model {self.name} is at capacity: every replica is busy and "
                                 "its queue is full. Retry shortly.", retry_after_s=err.retry_after_s)
         except DeploymentUnavailableError:
-            return openai_error(503, f"Model {self.name} is unavailable: its deployment failed to start.",
+            return openai_error(503, f"Model {self.name} is unavailable: its deployment failed or is being removed.",
                                 retry_after_s=self.limits.retry_after_s)
         except REPLICA_LOST as err:
             return openai_error(503, f"No replica of model {self.name} could take the request "

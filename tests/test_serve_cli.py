@@ -98,6 +98,7 @@ def test_serve_prints_its_url_drains_on_sigterm_and_leaves_nothing(tmp_path):
     (["--model", "m=/nonexistent/model"], "model folder /nonexistent/model does not exist"),
     (["--model", "m=bundled", "--set", "models.0.engine_kwargs.max_model_lenn=512"], "max_model_lenn"),
     (["--model", "m=bundled", "--set", "models.0.autoscaling.max_replicas=0"], "max_replicas"),
+    (["--model", "m=bundled", "--set", "models.0.engine_kwargs.max_model_len=100000"], "max_model_len"),
 ])
 def test_bad_serve_arguments_are_one_line(args, message, capsys):
     """Checked before anything starts (in-process: the installed command is the test above's)."""
@@ -136,16 +137,20 @@ def test_serve_fails_closed(args, env, message, capsys, monkeypatch):
 
 
 def test_a_deployment_that_cannot_start_is_an_error_naming_it(tmp_path):
-    """An engine vLLM refuses inside the replica (max_model_len over the model's 1,024 positions)
-    fails the start after Serve's retry: exit 1, the deployment and vLLM's reason named, nothing left."""
+    """A replica that cannot load its model (weights cut short: the config the CLI checks up front is
+    fine) fails the start after Serve's retry: exit 1, the deployment and the reason named, nothing left.
+    (An engine option vLLM refuses, such as a max_model_len over the model's, is refused before
+    anything starts: the CLI builds each engine's config first.)"""
     model = tiny_swiftkv_model("llama", num_hidden_layers=4, num_key_value_layers=2, hidden_size=128)
     model.save_pretrained(tmp_path / "model")
     copy_bundled_tokenizer(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
     env = {**os.environ, **RAY_TOKEN_AUTH, "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
     proc = subprocess.Popen(
         [SWIFTKV, "serve", "--model", f"tiny={tmp_path / 'model'}", "--port", str(free_port()),
          "--metrics-port", str(free_port()), "--num-cpus", "4",
-         "--set", "models.0.engine_kwargs={dtype: float32, enforce_eager: true, max_model_len: 100000}",
+         "--set", "models.0.engine_kwargs={dtype: float32, enforce_eager: true, max_model_len: 512}",
          "--set", f"models.0.env={json.dumps(CPU_ENV)}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
@@ -156,5 +161,5 @@ def test_a_deployment_that_cannot_start_is_an_error_naming_it(tmp_path):
             proc.kill()
     assert proc.returncode == 1, out[-3000:]
     assert "swiftkv serve: error: the application failed to start" in out and "model-tiny" in out
-    assert "max_model_len" in out and "swiftkv serve: stopped" in out
+    assert "safetensors" in out.lower() and "swiftkv serve: stopped" in out
     assert not engine_processes()
