@@ -95,10 +95,19 @@ def decide(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, req
     """The replica count for ``current`` running replicas whose published figures are ``loads``
     (replicas that have not published yet are simply absent), given Serve's count of ``requests``
     (ongoing and queued; None: unknown) and of those ``queued`` at the handles."""
-    if current > 0 and requests == 0:
-        return Decision(0, "idle: no requests")
     if current == 0 or not loads:
         return Decision(current, "no load figures yet: holding")
+    decision = _by_load(loads, current, cfg, requests, queued)
+    # Zero only when the figures would keep one replica at most: a window of short requests that
+    # Serve's samples happen to miss must not undo a scale-up.
+    if requests == 0 and decision.replicas <= 1:
+        return Decision(0, "idle: no requests", decision.demand_tokens_per_s, decision.backlog_tokens,
+                        decision.kv_cache_usage)
+    return decision
+
+
+def _by_load(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, requests: float | None,
+             queued: float) -> Decision:
     mu, budget = cfg.prefill_tokens_per_s, cfg.ttft_budget_s
     demand = sum(load.prompt_tokens_per_s * load.uncached_fraction for load in loads)
     backlog = sum(load.uncached_tokens_waiting for load in loads)
