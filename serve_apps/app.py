@@ -19,6 +19,9 @@ from serve_apps.ingress import OpenAIIngress
 from serve_apps.model_server import ModelServer
 from swiftkv.yaml_config import parse_config
 
+HEALTH_CHECK_MARGIN_S = 5.0
+INGRESS_SPARE_REQUESTS = 256
+
 
 def deployment_name(model_name: str) -> str:
     """The Serve deployment of a model (Serve names allow no slashes)."""
@@ -49,6 +52,7 @@ def autoscaling_config(options: ModelOptions) -> dict[str, Any]:
                 "downscale_utilization": scaling.downscale_utilization,
                 "kv_cache_high": scaling.kv_cache_high,
                 "kv_cache_low": scaling.kv_cache_low,
+                "max_ongoing_requests": options.max_ongoing_requests,
             },
         }
     return config
@@ -67,32 +71,46 @@ def request_router_config(options: ModelOptions) -> dict[str, Any]:
     return config
 
 
-def model_deployment(options: ModelOptions) -> Application:
-    """The bound ``ModelServer`` deployment for one model."""
+def deployment_options(options: ModelOptions) -> dict[str, Any]:
+    """Serve's deployment options for one model."""
     actor_options: dict[str, Any] = {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus}
     if options.env:
         actor_options["runtime_env"] = {"env_vars": dict(options.env)}
-    return ModelServer.options(
-        name=deployment_name(options.name),
-        ray_actor_options=actor_options,
-        max_ongoing_requests=options.max_ongoing_requests,
-        max_replicas_per_node=options.max_replicas_per_node,
-        graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
-        autoscaling_config=autoscaling_config(options),
-        request_router_config=request_router_config(options),
-        # vLLM engines take a while to load and compile; Serve must not give up on them early.
-        health_check_timeout_s=60,
+    return {
+        "name": deployment_name(options.name),
+        "ray_actor_options": actor_options,
+        "max_ongoing_requests": options.max_ongoing_requests,
+        "max_queued_requests": options.max_queued_requests,
+        "backpressure_config": {"status_code": options.backpressure_status, "retry_after_s": options.retry_after_s},
+        "max_replicas_per_node": options.max_replicas_per_node,
+        "graceful_shutdown_timeout_s": options.graceful_shutdown_timeout_s,
+        "autoscaling_config": autoscaling_config(options),
+        "request_router_config": request_router_config(options),
+        "health_check_period_s": options.health_check_period_s,
+        # The check's own deadline is the probe's; Serve's must not cut it short.
+        "health_check_timeout_s": options.health_probe_timeout_s + HEALTH_CHECK_MARGIN_S,
         # A replica that cannot start (a bad path, an engine option vLLM rejects) fails the same way
         # each time: report it after a retry instead of Serve's default 20 attempts.
-        max_constructor_retry_count=2,
-    ).bind(options)
+        "max_constructor_retry_count": 2,
+    }
+
+
+def ingress_capacity(config: AppConfig) -> int:
+    """Requests one ingress replica holds at most: for each model, every replica full and the
+    ingress's queue for it full, plus room for the requests it answers itself (refusals, health)."""
+    return sum(m.max_ongoing_requests * m.autoscaling.max_replicas + m.max_queued_requests
+               for m in config.models) + INGRESS_SPARE_REQUESTS
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Build the application from a Serve config's ``args`` (validated as :class:`AppConfig`)."""
     config = args if isinstance(args, AppConfig) else parse_config(AppConfig, dict(args), what="serve_apps config")
-    models = {m.name: model_deployment(m) for m in config.models}
+    models = {m.name: ModelServer.options(**deployment_options(m)).bind(m) for m in config.models}
     # The ingress relays every stream: it must drain at least as long as the slowest model does.
     drain_s = max(m.graceful_shutdown_timeout_s for m in config.models) + 5
+    # Queues are bounded at the models (max_queued_requests, refused in OpenAI's format); the ingress
+    # takes everything the models can hold, so Serve's proxy never queues in front of it.
+    capacity = ingress_capacity(config)
     return OpenAIIngress.options(num_replicas=config.ingress_replicas, graceful_shutdown_timeout_s=drain_s,
+                                 max_ongoing_requests=capacity, max_queued_requests=capacity,
                                  ray_actor_options={"num_cpus": config.ingress_num_cpus}).bind(config, models)

@@ -3,7 +3,9 @@
 The ingress forwards each OpenAI request to a model replica through a Serve deployment handle; the
 replica hands it to vLLM's own OpenAI app as if it had come over HTTP, so every route, validation
 and error of vLLM's server applies unchanged. This module is that bridge: a request as plain data,
-and an async generator of the response (first its status and headers, then body chunks).
+and an async generator of the response (first its status and headers, then body chunks). The
+replica puts an :class:`Accepted` before the response, so the ingress knows whether a failure came
+before or after a replica took the request.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ class ForwardedRequest:
     query_string: bytes = b""
     headers: list[tuple[str, str]] = field(default_factory=list)
     hint: PromptHint = field(default_factory=lambda: PromptHint(0.0))
+    avoid_replicas: tuple[str, ...] = ()
+    """Replicas that already failed this request (a retry): the router ranks them last."""
+
+
+@dataclass
+class Accepted:
+    """The first item a replica yields: it has taken the request (nothing has run yet)."""
+
+    replica_id: str
 
 
 @dataclass

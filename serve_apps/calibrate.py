@@ -78,7 +78,7 @@ def measure_replica(options: ModelOptions, input_lens: list[int], batches: list[
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
-    from serve_apps.model_server import served_engine_config
+    from serve_apps.vllm_app import served_engine_config
     from swiftkv.model_source import resolve_model
     from swiftkv.vllm.lifecycle import shutdown_llm
 

@@ -29,7 +29,9 @@ class AutoscalingOptions(StrictConfig):
     """How many replicas of one model deployment run, and what decides."""
 
     min_replicas: int = Field(default=1, ge=0)
-    """Fewest replicas (0 allows scale to zero, at the cost of a cold start of a minute or more)."""
+    """Fewest replicas. 0 scales to zero when the model is idle; the first request then waits for a
+    replica to start (Serve's cold start: a minute or more), so the application's ``queue_timeout_s``
+    must cover a start."""
 
     max_replicas: int = Field(default=1, ge=1)
     """Most replicas."""
@@ -137,7 +139,28 @@ class ModelOptions(StrictConfig):
     over the nodes, so losing a node loses one replica). ``None``: no limit."""
 
     max_ongoing_requests: int = Field(default=64, gt=0)
-    """Requests one replica accepts at once (vLLM batches them); further ones queue at the ingress."""
+    """Requests one replica accepts at once (vLLM batches them); further ones queue at the ingress.
+    Must be below the engine's ``max_num_seqs`` (vLLM's limit on sequences it runs at once), so vLLM
+    admits every request it is sent at once and never holds a queue of its own, and the health
+    check's one-token generation always finds a free seat."""
+
+    max_queued_requests: int = Field(default=64, gt=0)
+    """Requests each ingress replica holds for this model while every replica is at
+    ``max_ongoing_requests`` (Serve's ``max_queued_requests``); further ones are refused at once
+    with ``backpressure_status`` and a ``Retry-After`` header."""
+
+    backpressure_status: Literal[429, 503] = 503
+    """HTTP status of a request refused because the queue is full (Serve's ``backpressure_config``)."""
+
+    retry_after_s: float = Field(default=1.0, ge=0)
+    """``Retry-After`` of a refusal (queue full, no replica free in time, model unavailable)."""
+
+    health_check_period_s: float = Field(default=10.0, gt=0)
+    """How often Serve checks each replica's health: the replica asks its engine for one token."""
+
+    health_probe_timeout_s: float = Field(default=10.0, gt=0)
+    """An engine that does not produce that token within this long fails the check; after three
+    failed checks in a row Serve replaces the replica (a hung engine is restarted)."""
 
     graceful_shutdown_timeout_s: float = Field(default=60.0, ge=0)
     """On shutdown or scale-down, in-flight requests get this long to finish."""
@@ -172,11 +195,27 @@ class AppConfig(StrictConfig):
     version side by side for A/B traffic)."""
 
     api_key_env: str | None = "SWIFTKV_API_KEY"
-    """Environment variable holding the API key (bearer token) every route but ``/health`` requires.
-    Unset or empty variable: no key is required unless ``api_key_file`` gives one."""
+    """Environment variable holding the API key (bearer token) every route but ``/health`` and
+    ``/health/ready`` requires. Read on the node that runs the ingress."""
 
     api_key_file: str | None = None
-    """File holding the API key (first line), e.g. a mounted Kubernetes secret."""
+    """File holding the API key (first line; ``~`` is the home folder of the node that runs the
+    ingress), e.g. a mounted Kubernetes secret. Takes precedence over ``api_key_env``."""
+
+    insecure_no_auth: bool = False
+    """Serve every client without a key. Without a key and without this, the ingress answers only
+    clients on its own host (loopback) and refuses every other with a 401, and ``swiftkv serve``
+    refuses to bind anything but loopback. An error if a key is configured too."""
+
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Deadline of a whole request, streams included. Past it the generation is cancelled in the
+    engine (its KV cache freed) and the client gets a 504, or a stream an error event and
+    ``[DONE]``. Serve's own ``http_options.request_timeout_s`` should be a little longer, as a
+    backstop (``swiftkv serve`` sets it)."""
+
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest a request waits for a replica to accept it (all busy, or none running yet) before a
+    503 with ``Retry-After``. At most ``request_timeout_s``."""
 
     max_body_bytes: int = Field(default=16 * 2**20, gt=0)
     """Largest request body accepted; bigger ones get a 413."""
@@ -188,9 +227,12 @@ class AppConfig(StrictConfig):
     """Logical CPUs each ingress replica reserves."""
 
     @model_validator(mode="after")
-    def _unique_names(self) -> AppConfig:
+    def _checks(self) -> AppConfig:
         names = [m.name for m in self.models]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"model names must be unique: {', '.join(duplicates)} appears more than once")
+        if self.queue_timeout_s > self.request_timeout_s:
+            raise ValueError(f"queue_timeout_s ({self.queue_timeout_s:g}) exceeds request_timeout_s "
+                             f"({self.request_timeout_s:g})")
         return self

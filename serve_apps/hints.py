@@ -54,15 +54,16 @@ def _text_of_content(content: Any) -> str:
 
 def _hint_for_text(text: str, block_tokens: int) -> PromptHint:
     block_chars = int(block_tokens * CHARS_PER_TOKEN)
-    data = text.encode()
+    data = text.encode("utf-8", "surrogatepass")  # JSON may carry lone surrogates; the engine refuses them
     pieces = [data[i : i + block_chars] for i in range(0, len(data) - block_chars + 1, block_chars)]
     return PromptHint(len(text) / CHARS_PER_TOKEN, _chain(pieces), block_tokens)
 
 
 def _hint_for_ids(ids: list[int], block_tokens: int) -> PromptHint:
+    # Decimal text, so any integer hashes (ids out of range are the engine's to refuse, not a crash here).
     pieces = [
-        b"".join(int(t).to_bytes(4, "little", signed=True) for t in ids[i : i + block_tokens])
-        for i in range(0, len(ids) - block_tokens + 1, block_tokens)
+        ",".join(map(str, ids[i : i + block_tokens])).encode()
+        for i in range(0, min(len(ids), MAX_BLOCKS * block_tokens) - block_tokens + 1, block_tokens)
     ]
     return PromptHint(float(len(ids)), _chain(pieces), block_tokens)
 

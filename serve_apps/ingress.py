@@ -1,92 +1,71 @@
-"""The OpenAI-compatible front door: API key, body limit, routing by the request's ``model`` field,
-and OpenAI-format errors for what it refuses itself.
+"""The OpenAI-compatible front door: API key, body limit, strict JSON, routing by the request's
+``model`` field, health, and OpenAI-format errors for what it refuses itself.
 
 Everything else (request schemas, validation, sampling, streaming, every other error) is vLLM's
 own OpenAI app inside the model replica (``serve_apps/model_server.py``): the ingress reads the body
-only as JSON to find the model and the routing hint, forwards it through the model deployment's
-handle (whose request router picks the replica) and streams the replica's response back.
+only as JSON to find the model and the routing hint, and forwards it through the model deployment's
+handle (``serve_apps/forwarding.py``: queue limits, deadline, retries) to the replica the request
+router picks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import os
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from serve_apps.asgi import ForwardedRequest, ResponseStart
+from serve_apps.asgi import ForwardedRequest
+from serve_apps.auth import ApiKeyMiddleware, Auth
 from serve_apps.config import AppConfig
+from serve_apps.errors import install_error_handlers, openai_error
+from serve_apps.forwarding import Limits, ModelCall, forward_handle
 from serve_apps.hints import prompt_hint
 
 log = logging.getLogger("ray.serve")
 
-HEALTH_TIMEOUT_S = 10.0
-# Headers a replica's response must not carry through: the ingress frames the body itself.
-HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "date", "server"}
-REPLICA_LOST = (ActorDiedError, ActorUnavailableError, RayActorError)
-
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
+# The schema names every route and model field; it is not served at all (no /openapi.json, no docs).
+app = FastAPI(title="swiftkv", docs_url=None, redoc_url=None, openapi_url=None)
+install_error_handlers(app)
+app.add_middleware(ApiKeyMiddleware)
 
 
-def openai_error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """An error body in OpenAI's format (the one vLLM's server and the ``openai`` client use)."""
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
 
 
-def sse_error(status: int, message: str) -> bytes:
-    """A stream that broke after its headers were sent ends with an error event, as vLLM's do."""
-    error = {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": None, "code": status}
-    return f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
+def parse_body(body: bytes) -> dict | JSONResponse:
+    """The request body as a JSON object, or a 400 saying what is wrong with it (strict JSON: no
+    NaN or Infinity; nesting and integer sizes bounded by Python's own limits)."""
+    try:
+        payload = json.loads(body, parse_constant=_refuse_constant)
+    except RecursionError:
+        return openai_error(400, "The request body is nested too deeply.")
+    except (UnicodeDecodeError, ValueError) as err:  # JSONDecodeError, NaN, integers over 4,300 digits
+        return openai_error(400, f"The request body is not valid JSON: {err}.")
+    if not isinstance(payload, dict):
+        return openai_error(400, "The request body must be a JSON object.")
+    return payload
 
 
-def read_api_key(config: AppConfig) -> str | None:
-    """The API key from ``api_key_file`` or the ``api_key_env`` variable, or None (no key required)."""
-    if config.api_key_file:
-        path = Path(config.api_key_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"api_key_file {path} does not exist")
-        text = path.read_text().strip()
-        if not text:
-            raise ValueError(f"api_key_file {path} is empty")
-        return text.splitlines()[0].strip()
-    return os.environ.get(config.api_key_env or "", "").strip() or None
-
-
-app = FastAPI(title="swiftkv", docs_url=None, redoc_url=None)
-
-
-@serve.deployment(max_ongoing_requests=1000)
+@serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
     """Routes each request to its model's deployment; see the module docstring."""
 
     def __init__(self, config: AppConfig, models: dict) -> None:
         self.config = config
-        self.models = models  # name -> DeploymentHandle of that model's ModelServer
-        self.api_key = read_api_key(config)
-        if self.api_key is None:
-            log.warning("swiftkv ingress: no API key configured (%s unset): every route is open",
-                        config.api_key_env)
-
-    # --- checks shared by every guarded route ---------------------------------------------
-
-    def _unauthorized(self, request: Request) -> JSONResponse | None:
-        if self.api_key is None:
-            return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            return None
-        return openai_error(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
+        self.models = {name: forward_handle(handle) for name, handle in models.items()}
+        self.limits = {m.name: Limits(config.queue_timeout_s, m.retry_after_s) for m in config.models}
+        self.min_replicas = {m.name: m.autoscaling.min_replicas for m in config.models}
+        self.cards: dict[str, list[dict]] = {}  # each model's card, as its vLLM server gives it (fixed)
+        app.state.auth = Auth.from_config(config)
+        if app.state.auth.key is None:
+            log.warning("swiftkv ingress: %s", "no API key and insecure_no_auth: every client is served"
+                        if config.insecure_no_auth else "no API key configured: only clients on this host are served")
 
     async def _read_body(self, request: Request) -> bytes | JSONResponse:
         limit = self.config.max_body_bytes
@@ -111,35 +90,48 @@ class OpenAIIngress:
             return openai_error(404, f"The model `{name}` does not exist.", "model")
         return name
 
+    def _call(self, name: str, request: ForwardedRequest, streaming: bool) -> ModelCall:
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        return ModelCall(name, self.models[name], request, streaming, self.limits[name], deadline)
+
     # --- routes ---------------------------------------------------------------------------
 
     @app.get("/health")
     async def health(self) -> Response:
-        """200 when every model's engine answers a health check, 503 naming those that do not."""
-        async def check(name: str) -> str | None:
-            try:
-                await asyncio.wait_for(self.models[name].check_health.remote(), HEALTH_TIMEOUT_S)
-                return None
-            except Exception as err:  # any failure means this model cannot serve now
-                return f"{name}: {type(err).__name__}"
+        """Liveness: the ingress itself answers (no model is asked, nothing waits behind requests)."""
+        return JSONResponse({"status": "ok"})
 
-        failures = [f for f in await asyncio.gather(*(check(n) for n in self.models)) if f]
-        if failures:
-            return JSONResponse({"status": "unhealthy", "models": failures}, status_code=503)
-        return JSONResponse({"status": "ok", "models": list(self.models)})
+    @app.get("/health/ready")
+    async def ready(self, request: Request) -> Response:
+        """Readiness: 200 when every model can serve (a replica passing Serve's health check, the
+        engine's one-token generation, or a model scaled to zero that Serve will start), else 503.
+        Per-model detail only for a caller every other route would serve."""
+        applications = (await asyncio.to_thread(serve.status)).applications
+        deployments = applications[serve.get_replica_context().app_name].deployments
+        models = {}
+        for name, handle in self.models.items():
+            deployment = deployments.get(handle.deployment_name)
+            running = dict(deployment.replica_states).get("RUNNING", 0) if deployment else 0
+            status = str(getattr(deployment.status, "value", deployment.status)) if deployment else "MISSING"
+            scaled_to_zero = self.min_replicas[name] == 0 and status == "HEALTHY"
+            models[name] = {"ready": running > 0 or scaled_to_zero, "running_replicas": running, "status": status}
+        ready = all(m["ready"] for m in models.values())
+        body: dict = {"status": "ready" if ready else "unavailable"}
+        client = request.client.host if request.client else None
+        if app.state.auth.refusal(request.headers.get("authorization", ""), client) is None:
+            body["models"] = models
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/v1/models")
-    async def list_models(self, request: Request) -> Response:
+    async def list_models(self) -> Response:
         """The model cards of every served model, as each model's vLLM server describes itself."""
-        if denied := self._unauthorized(request):
-            return denied
-        cards = []
         for name in self.models:
-            status, _, body = await self._collect(name, ForwardedRequest("GET", "/v1/models"))
-            if status != 200:
-                return openai_error(503, f"model {name} did not list itself (HTTP {status}).")
-            cards += json.loads(body)["data"]
-        return JSONResponse({"object": "list", "data": cards})
+            if name not in self.cards:
+                response = await self._call(name, ForwardedRequest("GET", "/v1/models"), streaming=False).respond()
+                if response.status_code != 200:
+                    return response
+                self.cards[name] = json.loads(response.body)["data"]
+        return JSONResponse({"object": "list", "data": [card for name in self.models for card in self.cards[name]]})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -149,21 +141,14 @@ class OpenAIIngress:
     async def completions(self, request: Request) -> Response:
         return await self._forward_openai(request, "/v1/completions")
 
-    # --- forwarding -----------------------------------------------------------------------
-
     async def _forward_openai(self, request: Request, path: str) -> Response:
         """Forward to vLLM's route ``path`` (the app may sit under any Serve route prefix)."""
-        if denied := self._unauthorized(request):
-            return denied
         body = await self._read_body(request)
         if isinstance(body, Response):
             return body
-        try:
-            payload = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            return openai_error(400, f"The request body is not valid JSON: {err}.")
-        if not isinstance(payload, dict):
-            return openai_error(400, "The request body must be a JSON object.")
+        payload = parse_body(body)
+        if isinstance(payload, Response):
+            return payload
         name = self._model_for(payload)
         if isinstance(name, Response):
             return name
@@ -172,48 +157,4 @@ class OpenAIIngress:
             headers=[(k, v) for k, v in request.headers.items() if k.lower() not in ("authorization", "host")],
             hint=prompt_hint(payload),
         )
-        return await self._respond(name, forwarded)
-
-    async def _open(self, name: str, request: ForwardedRequest):
-        """Start the request on a replica: ``(first item, rest of the stream)``. A replica lost before
-        it answered anything (killed, restarting) is tried once more on another one."""
-        for attempt in (1, 2):
-            stream = self.models[name].options(method_name="forward", stream=True).remote(request)
-            try:
-                return await stream.__anext__(), stream
-            except REPLICA_LOST as err:
-                if attempt == 2:
-                    raise
-                log.warning("model %s: replica lost before answering (%s); retrying on another", name,
-                            type(err).__name__)
-
-    async def _collect(self, name: str, request: ForwardedRequest) -> tuple[int, list[tuple[str, str]], bytes]:
-        start, stream = await self._open(name, request)
-        chunks = [chunk async for chunk in stream]
-        return start.status, start.headers, b"".join(chunks)
-
-    async def _respond(self, name: str, request: ForwardedRequest) -> Response:
-        try:
-            start, stream = await self._open(name, request)
-        except REPLICA_LOST as err:
-            return openai_error(503, f"No replica of model {name} could take the request ({type(err).__name__}); "
-                                     "retry shortly.")
-        assert isinstance(start, ResponseStart)
-        headers = {k: v for k, v in start.headers if k.lower() not in HOP_HEADERS}
-        if not headers.get("content-type", "").startswith("text/event-stream"):
-            try:
-                body = b"".join([chunk async for chunk in stream])
-            except REPLICA_LOST as err:
-                return openai_error(503, f"The replica serving this request was lost ({type(err).__name__}); "
-                                         "retry it.")
-            return Response(body, status_code=start.status, headers=headers)
-        return StreamingResponse(self._relay(stream), status_code=start.status, headers=headers)
-
-    async def _relay(self, stream) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in stream:
-                yield chunk
-        except REPLICA_LOST as err:
-            yield sse_error(503, f"The replica serving this stream was lost ({type(err).__name__}); retry it.")
-        finally:
-            stream.cancel()  # a client that went away stops the generation on the replica
+        return await self._call(name, forwarded, streaming=payload.get("stream") is True).respond()

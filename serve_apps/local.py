@@ -28,6 +28,7 @@ log = logging.getLogger("swiftkv.serve")
 APP_NAME = "swiftkv"
 IMPORT_PATH = "serve_apps.app:build_app"
 PR_SET_CHILD_SUBREAPER = 36
+PROXY_TIMEOUT_MARGIN_S = 5.0
 
 
 def read_app_config(path: str | Path | None, models: list[str], overrides: list[str]) -> AppConfig:
@@ -105,13 +106,57 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def check_exposure(config: AppConfig, host: str) -> None:
+    """Fail closed: an endpoint other hosts can reach needs an API key or an explicit opt-out."""
+    from serve_apps.auth import Auth, is_loopback
+
+    auth = Auth.from_config(config)  # also refuses a key together with insecure_no_auth
+    if not is_loopback(host) and auth.key is None and not auth.open_to_all:
+        raise ValueError(f"--host {host} is reachable from other hosts and no API key is configured: set "
+                         f"{config.api_key_env or 'the api_key_env variable'} (or api_key_file), or pass "
+                         "--insecure-no-auth to serve without one")
+
+
+def check_ray_auth(config: AppConfig) -> None:
+    """Fail closed: Serve binds each replica's gRPC port on every interface, and only Ray's token
+    authentication (on by default for a local Ray) keeps other hosts from calling it."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled" and not config.insecure_no_auth:
+        raise ValueError("RAY_AUTH_MODE=disabled turns Ray's token authentication off, and Serve's replicas then take "
+                         "unauthenticated calls from any host on their gRPC ports: unset it, or pass "
+                         "--insecure-no-auth")
+
+
+def _ray_environment() -> None:
+    """Ray settings of the local cluster, as environment variables its processes inherit."""
+    # Ray's own services (GCS, raylet, agents, the metrics endpoint) on 127.0.0.1 only: Ray binds them
+    # to the node address, which it takes to be loopback where multi-node clusters are off (read when
+    # Ray is first imported: vLLM imports it).
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # A replica Serve kills (a failed health check, a drain past its timeout) or that crashes leaves
+    # its vLLM engine-core and worker processes behind, hung ones included: the raylet kills them.
+    os.environ["RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"] = "true"
+
+
+def _check_ray_is_loopback() -> None:
+    import ray
+
+    from serve_apps.auth import is_loopback
+
+    address = ray.util.get_node_ip_address()
+    if not is_loopback(address):  # Ray was imported before _ray_environment: fail closed
+        raise RuntimeError(f"the local Ray listens on {address}, not on loopback only")
+
+
 def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None, metrics_port: int) -> int:
     """Run until SIGTERM/Ctrl-C; return the exit code."""
-    from serve_apps.model_server import vllm_server_args
+    check_exposure(config, host)
+    _ray_environment()
+    from serve_apps.vllm_app import check_admission, served_engine_config
     from swiftkv.model_source import resolve_model
 
     for model in config.models:  # a bad reference or engine option is one clear error before anything starts
-        vllm_server_args(model, resolve_model(model.model))
+        check_admission(model, served_engine_config(model, resolve_model(model.model))[1])
+    check_ray_auth(config)
     _become_subreaper()
     _install_signal_handlers()
     started = False
@@ -125,7 +170,10 @@ def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None,
                  _metrics_export_port=metrics_port, configure_logging=False)
         _install_signal_handlers()  # ray.init replaced them with its own
         started = True
-        serve.start(http_options={"host": host, "port": port})
+        _check_ray_is_loopback()
+        # Serve's own deadline is a backstop behind the ingress's, which answers in OpenAI's format first.
+        serve.start(http_options={"host": host, "port": port,
+                                  "request_timeout_s": config.request_timeout_s + PROXY_TIMEOUT_MARGIN_S})
         names = ", ".join(m.name for m in config.models)
         print(f"swiftkv serve: starting {names} (first start loads and warms up each engine)", flush=True)
         t0 = time.monotonic()
@@ -135,8 +183,8 @@ def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None,
             print(f"swiftkv serve: error: the application failed to start: {err}", file=sys.stderr, flush=True)
             return 1
         print(f"swiftkv serve: ready in {time.monotonic() - t0:.0f} s at http://{host}:{port}/v1 "
-              f"(models: {names}; health: http://{host}:{port}/health; "
-              f"Prometheus metrics: http://127.0.0.1:{metrics_port}/metrics)", flush=True)
+              f"(models: {names}; health: http://{host}:{port}/health/ready; "
+              f"Prometheus metrics, this host only: http://127.0.0.1:{metrics_port}/metrics)", flush=True)
         while True:
             time.sleep(3600)
     except _Stop as stop:

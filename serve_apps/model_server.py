@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import difflib
+import json
 import logging
+import math
 import time
-from argparse import Namespace
+import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from ray import serve
 
-from serve_apps.asgi import ForwardedRequest, ResponseStart, call_asgi
+from serve_apps.asgi import Accepted, ForwardedRequest, ResponseStart, call_asgi
 from serve_apps.config import ModelOptions
+from serve_apps.errors import error_body
 from serve_apps.load import LoadTracker, ReplicaLoad
-
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+from serve_apps.vllm_app import check_admission, served_engine_config, start_openai_app
 
 log = logging.getLogger("ray.serve")
 
@@ -36,48 +35,12 @@ REPLICA_HEADER = "x-swiftkv-replica"
 PUBLISH_PERIOD_S = 1.0
 
 
-def vllm_server_args(options: ModelOptions, model_path: str) -> Namespace:
-    """vLLM's own ``vllm serve`` arguments for this model: its parser's defaults, then the model,
-    its served name and ``engine_kwargs`` (each key checked against vLLM's option names)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
-        ["--model", model_path, "--served-model-name", options.name]
-    )
-    known = vars(args)
-    for key, value in options.engine_kwargs.items():
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ValueError(f"model {options.name!r}: engine_kwargs.{key} is not a vLLM option{hint}")
-        setattr(args, key, value)
-    extra = dict(args.additional_config or {})
-    extra["swiftkv"] = {**extra.get("swiftkv", {}), "prefill_skipping": options.prefill_skipping}
-    args.additional_config = extra
-    validate_parsed_serve_args(args)
-    return args
-
-
-def served_engine_config(options: ModelOptions, model_path: str) -> tuple[Namespace, VllmConfig]:
-    """The ``vllm serve`` arguments and the engine config a replica runs with: vLLM's server
-    defaults, which differ from its offline ``LLM`` class's (on CPU 2,048 tokens per step and 128
-    sequences instead of 4,096 and 256)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
-
-    args = vllm_server_args(options, model_path)
-    return args, AsyncEngineArgs.from_cli_args(args).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-
-
 @serve.deployment
 class ModelServer:
     """The Serve deployment class behind every model (``serve_apps.app`` names one per model)."""
 
     async def __init__(self, options: ModelOptions) -> None:
         from ray.util.metrics import Gauge
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.app import build_app
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
@@ -90,6 +53,7 @@ class ModelServer:
         path = await asyncio.to_thread(resolve_model, options.model)
         log.info("model %s: starting vLLM on %s", options.name, path)
         args, vllm_config = served_engine_config(options, path)
+        check_admission(options, vllm_config)
         self.tracker = LoadTracker(options.prefill_tokens_per_s)
         self.engine = AsyncLLM.from_vllm_config(
             vllm_config,
@@ -98,13 +62,7 @@ class ModelServer:
             enable_log_requests=args.enable_log_requests,
             disable_log_stats=args.disable_log_stats,
         )
-        tasks = await self.engine.get_supported_tasks()
-        self.app = build_app(args, tasks, self.engine.model_config)
-        await init_app_state(self.engine, self.app.state, args, tasks)
-        # vLLM's lifespan: its periodic engine log lines ("Avg prompt throughput ..."). Held for the
-        # replica's life: the context's exit deletes the app's state.
-        self._lifespan = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()
+        self.app, self._lifespan = await start_openai_app(self.engine, args)
 
         tags = {"model": options.name, "replica": self.replica_id}
         self._gauges = {
@@ -140,15 +98,49 @@ class ModelServer:
         return self.load().to_metrics()
 
     async def check_health(self) -> None:
-        """Serve's health check: a dead engine makes Serve replace this replica."""
-        await self.engine.check_health()
+        """Serve's health check: the engine must be alive and produce one token within
+        ``health_probe_timeout_s`` (an engine that hangs still reports no error). Three failures in
+        a row make Serve replace this replica."""
+        from vllm import SamplingParams
 
-    async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
-        """Serve ``request`` with vLLM's app; stream its response back to the ingress."""
-        async for item in call_asgi(self.app, request):
-            if isinstance(item, ResponseStart):
-                item.headers.append((REPLICA_HEADER, self.replica_id))
-            yield item
+        await self.engine.check_health()  # a dead engine raises at once
+        request_id = f"health-{uuid.uuid4().hex}"
+        try:
+            async with asyncio.timeout(self.options.health_probe_timeout_s):
+                async for _ in self.engine.generate({"prompt_token_ids": [0]}, SamplingParams(max_tokens=1),
+                                                    request_id):
+                    pass
+        except TimeoutError:
+            raise TimeoutError(f"model {self.options.name}: the engine produced no token within "
+                               f"{self.options.health_probe_timeout_s:g} s") from None
+
+    def _dead_engine(self) -> list[ResponseStart | bytes]:
+        body = json.dumps(error_body(503, f"The engine of replica {self.replica_id} of model {self.options.name} "
+                                          "has stopped; it is being replaced. Retry shortly.")).encode()
+        headers = [("content-type", "application/json"), ("retry-after", str(math.ceil(self.options.retry_after_s))),
+                   (REPLICA_HEADER, self.replica_id)]
+        return [ResponseStart(503, headers), body]
+
+    async def forward(self, request: ForwardedRequest) -> AsyncIterator[Accepted | ResponseStart | bytes]:
+        """Serve ``request`` with vLLM's app; stream its response back to the ingress, after an
+        :class:`Accepted`. A dead engine is a 503 (vLLM's own answer is a 500)."""
+        yield Accepted(self.replica_id)
+        if self.engine.errored:
+            for item in self._dead_engine():
+                yield item
+            return
+        response = call_asgi(self.app, request)
+        try:
+            async for item in response:
+                if isinstance(item, ResponseStart):
+                    if item.status == 500 and self.engine.errored:
+                        for dead in self._dead_engine():
+                            yield dead
+                        return
+                    item.headers.append((REPLICA_HEADER, self.replica_id))
+                yield item
+        finally:
+            await response.aclose()
 
     def __del__(self) -> None:
         # Serve calls this after draining in-flight requests: stop publishing and shut the engine

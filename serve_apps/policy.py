@@ -11,6 +11,12 @@ budget ``T`` when ``lam + B / T <= N mu``. The scale-down test uses a lower util
 so a fleet just scaled down sits well below the scale-up line (no 2-1-2 flapping); Serve's own
 ``upscale_delay_s``/``downscale_delay_s`` and min/max bounds apply on top.
 
+Two request counts from Serve override the token figures: requests queued at the handles (every
+replica at ``max_ongoing_requests``: a decode-bound fleet can be saturated while its prompt tokens
+and KV cache look fine) ask for replicas enough to hold them all, and no request at all over the
+look-back window asks for zero replicas, which Serve bounds by ``min_replicas`` (Serve's own cold
+start brings the first replica back when a request arrives).
+
 :func:`decide` is a pure function of the replicas' :class:`~serve_apps.load.ReplicaLoad` figures,
 so the fleet simulator calls the very same code; :class:`PrefillAutoscalingPolicy` is the adapter
 Serve builds on its controller (``autoscaling_config.policy.policy_function``), with
@@ -56,6 +62,10 @@ class PrefillPolicyConfig(BaseModel):
     kv_cache_low: float = Field(default=0.6, gt=0, le=1)
     """Scale down only if the remaining replicas' projected KV-cache usage stays at or below this."""
 
+    max_ongoing_requests: int = Field(default=64, gt=0)
+    """Requests one replica takes at once (the deployment's own setting): with requests queued,
+    the fleet needs ``ceil(requests / max_ongoing_requests)`` replicas."""
+
     @model_validator(mode="after")
     def _bands(self) -> PrefillPolicyConfig:
         if self.downscale_utilization >= self.target_utilization:
@@ -80,11 +90,24 @@ def _replicas_for(load_tokens_per_s: float, per_replica: float) -> int:
     return max(1, math.ceil(load_tokens_per_s / per_replica - 1e-9))
 
 
-def decide(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig) -> Decision:
+def decide(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, requests: float | None = None,
+           queued: float = 0.0) -> Decision:
     """The replica count for ``current`` running replicas whose published figures are ``loads``
-    (replicas that have not published yet are simply absent)."""
+    (replicas that have not published yet are simply absent), given Serve's count of ``requests``
+    (ongoing and queued; None: unknown) and of those ``queued`` at the handles."""
     if current == 0 or not loads:
         return Decision(current, "no load figures yet: holding")
+    decision = _by_load(loads, current, cfg, requests, queued)
+    # Zero only when the figures would keep one replica at most: a window of short requests that
+    # Serve's samples happen to miss must not undo a scale-up.
+    if requests == 0 and decision.replicas <= 1:
+        return Decision(0, "idle: no requests", decision.demand_tokens_per_s, decision.backlog_tokens,
+                        decision.kv_cache_usage)
+    return decision
+
+
+def _by_load(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, requests: float | None,
+             queued: float) -> Decision:
     mu, budget = cfg.prefill_tokens_per_s, cfg.ttft_budget_s
     demand = sum(load.prompt_tokens_per_s * load.uncached_fraction for load in loads)
     backlog = sum(load.uncached_tokens_waiting for load in loads)
@@ -93,19 +116,24 @@ def decide(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig) -> 
 
     keep_up = _replicas_for(demand, cfg.target_utilization * mu)
     clear_backlog = _replicas_for(demand + backlog / budget, mu)
-    wanted = max(keep_up, clear_backlog)
+    # Replicas enough to hold every request Serve counts, once some wait for a free replica.
+    hold_all = math.ceil((requests or 0.0) / cfg.max_ongoing_requests - 1e-9) if queued > 0 else 0
+    wanted = max(keep_up, clear_backlog, hold_all)
     if kv >= cfg.kv_cache_high:
         wanted = max(wanted, current + 1)
     if wanted > current:
-        if wanted > max(keep_up, clear_backlog):
+        if wanted > max(keep_up, clear_backlog, hold_all):
             why = f"KV cache {kv:.0%} full"
+        elif hold_all > max(keep_up, clear_backlog):
+            why = f"{queued:.0f} requests queued for a free replica"
         else:
             why = "backlog over the TTFT budget" if clear_backlog > keep_up else "arrival rate over capacity"
         return Decision(wanted, f"scale up to {wanted}: {why}", **figures)
-    if current > 1:
+    if current > 1 and queued == 0:
         low = cfg.downscale_utilization * mu
         enough = max(_replicas_for(demand, low), _replicas_for(demand + backlog / budget, low))
-        enough = max(enough, math.ceil(kv * current / cfg.kv_cache_low - 1e-9), 1)
+        enough = max(enough, math.ceil(kv * current / cfg.kv_cache_low - 1e-9),
+                     math.ceil((requests or 0.0) / cfg.max_ongoing_requests - 1e-9), 1)
         if enough < current:
             return Decision(enough, f"scale down to {enough}: {enough} replicas meet the budget below "
                                     f"{cfg.downscale_utilization:.0%} load", **figures)
@@ -133,7 +161,8 @@ class PrefillAutoscalingPolicy:
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         loads = loads_from_metrics(ctx.aggregated_metrics, list(ctx.running_replicas))
-        decision = decide(loads, ctx.current_num_replicas, self.config)
+        decision = decide(loads, ctx.current_num_replicas, self.config, ctx.total_num_requests,
+                          ctx.total_queued_requests)
         # Serve bounds the answer anyway; bounding it here too makes the log (and policy_state) say
         # what will happen, and a wish that keeps moving above max_replicas log nothing new.
         target = min(max(decision.replicas, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)

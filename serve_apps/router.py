@@ -161,11 +161,24 @@ def _request_key(pending_request) -> Hashable | None:
     return getattr(metadata, "internal_request_id", None)
 
 
+def _forwarded(pending_request):
+    args = getattr(pending_request, "args", None) or ()
+    return args[0] if args else None
+
+
 def request_hint(pending_request) -> PromptHint:
     """The :class:`PromptHint` the ingress attached to a forwarded request (empty if none)."""
-    args = getattr(pending_request, "args", None) or ()
-    hint = getattr(args[0], "hint", None) if args else None
+    hint = getattr(_forwarded(pending_request), "hint", None)
     return hint if isinstance(hint, PromptHint) else PromptHint(0.0)
+
+
+def last_if_avoided(ranked: list[Hashable], pending_request) -> list[Hashable]:
+    """``ranked`` with the replicas a retried request must avoid (they failed it) moved to the end."""
+    avoid = set(getattr(_forwarded(pending_request), "avoid_replicas", ()) or ())
+    if not avoid:
+        return ranked
+    avoided = [r for r in ranked if getattr(r, "unique_id", r) in avoid]
+    return [r for r in ranked if r not in avoided] + avoided
 
 
 try:
@@ -186,8 +199,9 @@ class PrefillAwareRouter(RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         hint, key = request_hint(pending_request), _request_key(pending_request)
         self.core.withdraw(key)  # ranked again (a retry): not weighed down by its own count
-        ranked = self.core.rank(
-            [(r.replica_id, ReplicaLoad.from_metrics(r.routing_stats)) for r in candidate_replicas], hint)
+        ranked = last_if_avoided(self.core.rank(
+            [(r.replica_id, ReplicaLoad.from_metrics(r.routing_stats)) for r in candidate_replicas], hint),
+            pending_request)
         # Serve calls on_request_routed only once the replica has accepted the request, a round trip
         # later, and ranks the other requests of a burst meanwhile: counted only then, a burst would
         # all go to the same replica. So the prompt counts against its first choice now, and moves if

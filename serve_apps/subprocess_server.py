@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,11 +27,15 @@ def free_port() -> int:
 
 class ServeProcess:
     """``with ServeProcess(args, log_path) as server: server.base_url`` (``args`` after ``swiftkv serve``;
-    ``--port`` and ``--metrics-port`` are chosen free on 127.0.0.1)."""
+    ``--port`` and ``--metrics-port`` are chosen free on 127.0.0.1; its Ray runs with token
+    authentication and a fresh token; ``env`` is added to this process's environment)."""
 
-    def __init__(self, args: list[str], log_path: Path, startup_s: float = 600, stop_s: float = 180):
+    def __init__(self, args: list[str], log_path: Path, startup_s: float = 600, stop_s: float = 180,
+                 env: dict[str, str] | None = None):
         self.args, self.log_path, self.startup_s, self.stop_s = args, log_path, startup_s, stop_s
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), **(env or {})}
         self.port = free_port()
+        self.metrics_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.ready_s: float | None = None
         self.exit_code: int | None = None
@@ -40,8 +45,8 @@ class ServeProcess:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [SWIFTKV, "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port),
-                 "--metrics-port", str(free_port())],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+                 "--metrics-port", str(self.metrics_port)],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env,
             )
         started, deadline = time.monotonic(), time.monotonic() + self.startup_s
         try:

@@ -19,7 +19,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from serve_apps.app import build_app
-from serve_apps.model_server import vllm_server_args
+from serve_apps.vllm_app import vllm_server_args
 from tests.cluster_files import (
     CREDENTIAL,
     GPU_RECIPES,

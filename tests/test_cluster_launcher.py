@@ -73,7 +73,7 @@ def test_aws_nodes_run_the_project_image_with_instance_role_credentials():
 
 def test_gcp_nodes_install_with_the_project_setup_and_use_the_service_account():
     config = load_yaml(next(p for p in LAUNCHER_YAMLS if p.name == "gcp.yaml"))
-    assert config["file_mounts"] == {"~/swiftkv": "."}
+    assert config["file_mounts"]["~/swiftkv"] == "."
     assert ".venv" in config["rsync_exclude"]  # the local environment is never copied over
     assert "SWIFTKV_EXTRAS=gpu,demo,test bash scripts/setup.sh" in config["setup_commands"][0]
     for command in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
@@ -88,3 +88,9 @@ def test_gcp_nodes_install_with_the_project_setup_and_use_the_service_account():
 def test_no_credentials_in_the_files(path):
     assert not CREDENTIAL.search(path.read_text())
     assert "--dashboard-host=127.0.0.1" in " ".join(load_yaml(path)["head_start_ray_commands"])
+
+
+@pytest.mark.parametrize("path", LAUNCHER_YAMLS, ids=lambda p: p.name)
+def test_every_node_gets_the_api_key_file_the_gpu_serve_config_reads(path):
+    (app,) = app_configs(load_yaml(GPU_SERVE_CONFIG))
+    assert load_yaml(path)["file_mounts"][app.api_key_file] == app.api_key_file  # same place, from the laptop

@@ -157,7 +157,7 @@ def test_the_real_policy_decides(monkeypatch):
     assert run(_light_load(), fleet).scale_events == []  # 200 tok/s against 1000: one replica holds
     calls = []
 
-    def always_more(loads, current, cfg):
+    def always_more(loads, current, cfg, *request_counts):
         calls.append(current)
         return serve_apps.policy.Decision(current + 1, "more")
 

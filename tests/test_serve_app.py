@@ -5,7 +5,8 @@ SwiftKV weights), called with the real ``openai`` client on 127.0.0.1.
 Checked: greedy chat equals the Hugging Face student token for token with the same chat template;
 streaming gives the same text in pieces; the A/B pair answers by model name; every bad input is a
 4xx with an OpenAI error body and the server keeps serving; the API key guards every route but
-health; prompt logprobs are refused; Prometheus metrics exist and move with traffic.
+the health routes, which name no model without it; prompt logprobs are refused; Prometheus metrics
+exist and move with traffic.
 """
 
 from __future__ import annotations
@@ -153,9 +154,15 @@ def test_api_key_guards_every_route_but_health(served):
         response = _post(url + "/v1/completions", {"model": "tiny-swiftkv", "prompt": "hi", "max_tokens": 1}, key=key)
         assert response.status_code == 401 and response.json()["error"]["code"] == 401
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        assert requests.get(url + "/v1/models", headers=headers, timeout=30).status_code == 401
-    health = requests.get(url + "/health", timeout=30)
-    assert health.status_code == 200 and health.json()["models"] == ["tiny-base", "tiny-swiftkv"]
+        for path in ("/v1/models", "/openapi.json", "/docs", "/no/such/route"):
+            response = requests.get(url + path, headers=headers, timeout=30)
+            assert response.status_code == 401 and response.json()["error"]["type"] == "AuthenticationError", path
+    # Health without the key says no more than its status; with the key, readiness names the models.
+    assert requests.get(url + "/health", timeout=30).json() == {"status": "ok"}
+    assert requests.get(url + "/health/ready", timeout=30).json() == {"status": "ready"}
+    ready = requests.get(url + "/health/ready", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert set(ready["models"]) == {"tiny-base", "tiny-swiftkv"}
+    assert all(m["ready"] and m["running_replicas"] == 1 for m in ready["models"].values())
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tests.tiny import tiny_swiftkv_model
 
 SWIFTKV = str(Path(sys.executable).parent / "swiftkv")
 STARTUP_S = 300
+RAY_TOKEN_AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
 def test_serve_prints_its_url_drains_on_sigterm_and_leaves_nothing(tmp_path):
@@ -31,7 +33,7 @@ def test_serve_prints_its_url_drains_on_sigterm_and_leaves_nothing(tmp_path):
     copy_bundled_tokenizer(tmp_path / "model")
     port, metrics_port = free_port(), free_port()
     log_path = tmp_path / "serve.log"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
+    env = {**os.environ, **RAY_TOKEN_AUTH, "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [SWIFTKV, "serve", "--model", f"tiny={tmp_path / 'model'}", "--port", str(port),
@@ -96,6 +98,7 @@ def test_serve_prints_its_url_drains_on_sigterm_and_leaves_nothing(tmp_path):
     (["--model", "m=/nonexistent/model"], "model folder /nonexistent/model does not exist"),
     (["--model", "m=bundled", "--set", "models.0.engine_kwargs.max_model_lenn=512"], "max_model_lenn"),
     (["--model", "m=bundled", "--set", "models.0.autoscaling.max_replicas=0"], "max_replicas"),
+    (["--model", "m=bundled", "--set", "models.0.engine_kwargs.max_model_len=100000"], "max_model_len"),
 ])
 def test_bad_serve_arguments_are_one_line(args, message, capsys):
     """Checked before anything starts (in-process: the installed command is the test above's)."""
@@ -109,17 +112,45 @@ def test_bad_serve_arguments_are_one_line(args, message, capsys):
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--host", "0.0.0.0"], {}, "--host 0.0.0.0 is reachable from other hosts and no API key is configured: set "
+                                "SWIFTKV_API_KEY (or api_key_file), or pass --insecure-no-auth"),
+    (["--insecure-no-auth"], {"SWIFTKV_API_KEY": "k"}, "insecure_no_auth is set but an API key is configured too"),
+    (["--set", "models.0.max_ongoing_requests=128"], {}, "must be below the engine's max_num_seqs (128)"),
+    ([], {"RAY_AUTH_MODE": "disabled"}, "RAY_AUTH_MODE=disabled turns Ray's token authentication off"),
+])
+def test_serve_fails_closed(args, env, message, capsys, monkeypatch):
+    """An endpoint others can reach needs a key, Ray keeps its token auth, vLLM holds no queue of its
+    own: each refused before anything starts, unless --insecure-no-auth says so on purpose."""
+    import ray
+
+    from swiftkv.cli import main
+
+    monkeypatch.delenv("SWIFTKV_API_KEY", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--model", "m=bundled", *args]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (vLLM may log above it)
+    assert last.startswith("swiftkv serve: error: ") and message in last
+    assert not ray.is_initialized()
+
+
 def test_a_deployment_that_cannot_start_is_an_error_naming_it(tmp_path):
-    """An engine vLLM refuses inside the replica (max_model_len over the model's 1,024 positions)
-    fails the start after Serve's retry: exit 1, the deployment and vLLM's reason named, nothing left."""
+    """A replica that cannot load its model (weights cut short: the config the CLI checks up front is
+    fine) fails the start after Serve's retry: exit 1, the deployment and the reason named, nothing left.
+    (An engine option vLLM refuses, such as a max_model_len over the model's, is refused before
+    anything starts: the CLI builds each engine's config first.)"""
     model = tiny_swiftkv_model("llama", num_hidden_layers=4, num_key_value_layers=2, hidden_size=128)
     model.save_pretrained(tmp_path / "model")
     copy_bundled_tokenizer(tmp_path / "model")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    env = {**os.environ, **RAY_TOKEN_AUTH, "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
     proc = subprocess.Popen(
         [SWIFTKV, "serve", "--model", f"tiny={tmp_path / 'model'}", "--port", str(free_port()),
          "--metrics-port", str(free_port()), "--num-cpus", "4",
-         "--set", "models.0.engine_kwargs={dtype: float32, enforce_eager: true, max_model_len: 100000}",
+         "--set", "models.0.engine_kwargs={dtype: float32, enforce_eager: true, max_model_len: 512}",
          "--set", f"models.0.env={json.dumps(CPU_ENV)}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
@@ -130,5 +161,5 @@ def test_a_deployment_that_cannot_start_is_an_error_naming_it(tmp_path):
             proc.kill()
     assert proc.returncode == 1, out[-3000:]
     assert "swiftkv serve: error: the application failed to start" in out and "model-tiny" in out
-    assert "max_model_len" in out and "swiftkv serve: stopped" in out
+    assert "safetensors" in out.lower() and "swiftkv serve: stopped" in out
     assert not engine_processes()

@@ -14,10 +14,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from serve_apps.app import autoscaling_config, build_app, deployment_name, request_router_config
+from serve_apps.app import (
+    autoscaling_config,
+    build_app,
+    deployment_name,
+    deployment_options,
+    ingress_capacity,
+    request_router_config,
+)
 from serve_apps.asgi import ForwardedRequest, ResponseStart, call_asgi
+from serve_apps.auth import ApiKeyMiddleware, Auth, read_api_key
 from serve_apps.config import AppConfig, ModelOptions
+from serve_apps.errors import as_openai_error, install_error_handlers
 from serve_apps.hints import CHARS_PER_TOKEN, prompt_hint
+from serve_apps.ingress import parse_body
 from serve_apps.load import LoadTracker, ReplicaLoad
 from serve_apps.local import read_app_config
 from swiftkv.yaml_config import parse_config
@@ -39,6 +49,13 @@ def test_hint_counts_token_ids_exactly_and_estimates_text():
 @pytest.mark.parametrize("body", [{}, {"prompt": 5}, {"messages": "hi"}, {"messages": [3, None]}, {"prompt": []}])
 def test_hint_of_unreadable_bodies_is_empty(body):
     assert prompt_hint(body).prompt_tokens == 0 and prompt_hint(body).prefix_blocks == ()
+
+
+def test_hint_of_hostile_prompts_never_fails():
+    """Ids out of any range and lone surrogates are the engine's to refuse (a 400), not a crash here."""
+    ids = prompt_hint({"prompt": [-1, 2**40, 10**30, True] * 40})
+    assert ids.prompt_tokens == 160 and len(ids.prefix_blocks) == 2
+    assert prompt_hint({"prompt": "\ud800" * 600}).prefix_blocks
 
 
 def test_hint_reads_content_parts():
@@ -92,6 +109,9 @@ def _config(**model) -> dict:
     (_config(engine_kwargs={"trust_remote_code": True}), "engine_kwargs.trust_remote_code: SwiftKV checkpoints"),
     (_config(engine_kwargs={"api_key": "x"}), "engine_kwargs.api_key"),
     (_config(name="a b"), "use letters, digits"),
+    ({**_config(), "queue_timeout_s": 60, "request_timeout_s": 30}, "queue_timeout_s (60) exceeds request_timeout_s"),
+    (_config(backpressure_status=500), "models.0.backpressure_status"),
+    (_config(max_queued_requests=0), "models.0.max_queued_requests"),
     ({"models": [{"name": "m", "model": "x"}, {"name": "m", "model": "y"}]}, "m appears more than once"),
 ])
 def test_config_errors_name_the_problem(tree, message):
@@ -116,12 +136,19 @@ def test_builder_maps_the_config_onto_serve_options():
     assert "policy" not in autoscaling_config(requests) and autoscaling_config(requests)["target_ongoing_requests"] == 4
     assert request_router_config(prefill)["request_router_class"] == "serve_apps.router:PrefillAwareRouter"
     assert "request_router_class" not in request_router_config(requests)  # Serve's power-of-two default
+    options = deployment_options(prefill)
+    assert options["max_queued_requests"] == 64 and options["backpressure_config"] == {"status_code": 503,
+                                                                                       "retry_after_s": 1.0}
+    assert (options["health_check_period_s"], options["health_check_timeout_s"]) == (10.0, 15.0)
+    assert scaling["policy"]["policy_kwargs"]["max_ongoing_requests"] == 64
+    # The ingress holds what every model can: 64 ongoing x 3 replicas + 64 queued, and 64 + 64 for the other.
+    assert ingress_capacity(config) == 64 * 3 + 64 + 64 + 64 + 256
     app = build_app(config)
     assert type(app).__name__ == "Application"
 
 
 def test_vllm_server_args_check_engine_kwargs_against_vllm():
-    from serve_apps.model_server import vllm_server_args
+    from serve_apps.vllm_app import vllm_server_args
 
     args = vllm_server_args(ModelOptions(name="m", model="x", engine_kwargs={"max_model_len": 512}), "/models/m")
     assert (args.model, args.served_model_name, args.max_model_len) == ("/models/m", ["m"], 512)
@@ -129,6 +156,18 @@ def test_vllm_server_args_check_engine_kwargs_against_vllm():
     assert args.trust_remote_code is False
     with pytest.raises(ValueError, match=r"max_model_length is not a vLLM option \(did you mean max_model_len"):
         vllm_server_args(ModelOptions(name="m", model="x", engine_kwargs={"max_model_length": 5}), "/m")
+
+
+def test_admission_stays_below_the_engines_sequence_limit():
+    from vllm.config import SchedulerConfig
+
+    from serve_apps.vllm_app import check_admission
+
+    engine = type("Config", (), {"scheduler_config": SchedulerConfig(max_num_seqs=128, max_model_len=512,
+                                                                     is_encoder_decoder=False)})()
+    check_admission(ModelOptions(name="m", model="x", max_ongoing_requests=127), engine)
+    with pytest.raises(ValueError, match=r"max_ongoing_requests \(128\) must be below the engine's max_num_seqs"):
+        check_admission(ModelOptions(name="m", model="x", max_ongoing_requests=128), engine)
 
 
 def test_read_app_config_from_a_serve_config_file_with_models_and_overrides(tmp_path):
@@ -149,9 +188,14 @@ def test_read_app_config_from_a_serve_config_file_with_models_and_overrides(tmp_
         read_app_config(REPO / "serve_apps" / "smollm2-cpu.yaml", [], ["models.5.name=x"])
 
 
-def test_every_shipped_serve_config_validates():
+def test_every_shipped_serve_config_validates_and_backs_its_deadline_with_serves():
+    import yaml
+
     for path in sorted((REPO / "serve_apps").glob("*.yaml")):
-        assert read_app_config(path, [], []).models, path
+        config = read_app_config(path, [], [])
+        assert config.models, path
+        # Serve's own deadline only backs the application's: the ingress answers first, in OpenAI's format.
+        assert yaml.safe_load(path.read_text())["http_options"]["request_timeout_s"] > config.request_timeout_s
 
 
 # --- the in-process ASGI bridge --------------------------------------------------------------
@@ -226,3 +270,82 @@ def test_asgi_bridge_raises_when_the_app_dies_without_answering():
 
     with pytest.raises(KeyError, match="no response at all"):
         asyncio.run(run())
+
+
+# --- strict JSON, OpenAI errors, the API key ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b'{"temperature": NaN}', "NaN is not valid JSON"),
+    (b'{"temperature": -Infinity}', "-Infinity is not valid JSON"),
+    (b"\xff\xfe{}", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+])
+def test_hostile_json_is_a_400(body, message):
+    response = parse_body(body)
+    error = json.loads(response.body)["error"]
+    assert response.status_code == 400 and message in error["message"] and error["code"] == 400
+
+
+def test_non_json_error_bodies_are_rewritten_in_openai_format():
+    rewritten = json.loads(as_openai_error(500, "text/plain", b"Internal Server Error"))
+    assert rewritten["error"] == {"message": "Internal Server Error", "type": "InternalServerError", "param": None,
+                                  "code": 500}
+    assert as_openai_error(400, "application/json", b"{}") is None and as_openai_error(200, "text/plain", b"x") is None
+
+
+def test_auth_fails_closed(tmp_path, monkeypatch):
+    keyed, open_local, open_all = Auth("k3y", False), Auth(None, False), Auth(None, True)
+    assert keyed.refusal("Bearer k3y", "203.0.113.5") is None
+    assert "Incorrect or missing API key" in keyed.refusal("Bearer nope", "127.0.0.1")
+    assert open_local.refusal("", "127.0.0.1") is None and open_local.refusal("", "::1") is None
+    assert "answers only clients on its own host" in open_local.refusal("Bearer x", "203.0.113.5")
+    assert open_local.refusal("", None) and open_all.refusal("", "203.0.113.5") is None
+    (tmp_path / "key").write_text("from-file\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert read_api_key(AppConfig(models=[{"name": "m", "model": "x"}], api_key_file="~/key")) == "from-file"
+    monkeypatch.setenv("SWIFTKV_API_KEY", "from-env")
+    with pytest.raises(ValueError, match="insecure_no_auth is set but an API key is configured"):
+        Auth.from_config(AppConfig(models=[{"name": "m", "model": "x"}], insecure_no_auth=True))
+
+
+def _guarded_app(auth: Auth):
+    from fastapi import FastAPI
+
+    app = FastAPI(openapi_url=None)
+    install_error_handlers(app)
+    app.add_middleware(ApiKeyMiddleware)
+    app.state.auth = auth
+    app.get("/health")(lambda: {"status": "ok"})
+    app.get("/v1/models")(lambda: {"data": []})
+    return app
+
+
+@pytest.mark.parametrize(("client", "auth", "path", "method", "headers", "status"), [
+    ("203.0.113.5", Auth("k", False), "/v1/models", "GET", {}, 401),
+    ("203.0.113.5", Auth("k", False), "/v1/models", "GET", {"authorization": "Bearer k"}, 200),
+    ("203.0.113.5", Auth("k", False), "/openapi.json", "GET", {}, 401),  # unknown routes need the key too
+    ("203.0.113.5", Auth("k", False), "/openapi.json", "GET", {"authorization": "Bearer k"}, 404),
+    ("203.0.113.5", Auth("k", False), "/v1/models", "DELETE", {"authorization": "Bearer k"}, 405),
+    ("203.0.113.5", Auth("k", False), "/health", "GET", {}, 200),
+    ("203.0.113.5", Auth(None, False), "/v1/models", "GET", {}, 401),  # no key: other hosts refused
+    ("127.0.0.1", Auth(None, False), "/v1/models", "GET", {}, 200),
+    ("203.0.113.5", Auth(None, True), "/v1/models", "GET", {}, 200),  # insecure_no_auth, on purpose
+])
+def test_api_key_middleware_and_error_handlers_on_a_real_app(client, auth, path, method, headers, status):
+    import httpx
+
+    async def call():
+        transport = httpx.ASGITransport(app=_guarded_app(auth), client=(client, 4444))
+        async with httpx.AsyncClient(transport=transport, base_url="http://swiftkv") as http:
+            return await http.request(method, path, headers=headers)
+
+    response = asyncio.run(call())
+    assert response.status_code == status, response.text
+    if status >= 400:
+        error = response.json()["error"]
+        assert error["code"] == status and error["type"] and error["message"]
+    if status == 405:
+        assert response.headers["allow"] == "GET"

@@ -81,6 +81,34 @@ def test_no_flapping_across_a_load_sweep():
     assert history == [1, 1, 2, 2, 2, 2, 1, 1, 1]
 
 
+def test_requests_queued_for_a_free_replica_scale_up_whatever_the_tokens():
+    """A decode-bound fleet: few prompt tokens, KV under the guard, but every replica at
+    max_ongoing_requests and requests queued at the handles."""
+    cfg = CFG.model_copy(update={"max_ongoing_requests": 16})
+    busy = [load(rate=50, kv=0.5)] * 2
+    assert decide(busy, 2, cfg, requests=32, queued=0).replicas == 2  # full, nothing waits: holding
+    decision = decide(busy, 2, cfg, requests=40, queued=8)
+    assert decision.replicas == 3 and "8 requests queued" in decision.reason  # ceil(40 / 16)
+    # Never down while requests wait, however light the tokens.
+    assert decide([load(rate=1)] * 3, 3, cfg, requests=50, queued=2).replicas == 4
+    assert decide([load(rate=1)] * 3, 3, cfg, requests=20, queued=0).replicas == 2  # 20 need 2 of 16
+
+
+def test_idle_asks_for_zero_and_serve_starts_one_for_a_request():
+    assert decide([load(rate=5)], 2, CFG, requests=0).replicas == 0
+    # Serve's samples missed a burst of short requests: the prompt tokens still ask for more.
+    assert decide([load(rate=1200)], 1, CFG, requests=0).replicas == 2
+    assert decide([], 0, CFG, requests=0).replicas == 0  # stays at zero while nothing comes
+    deployment = DeploymentID(name="model-x", app_name="swiftkv")
+    r1 = ReplicaID("r1", deployment)
+    idle = {name: {r1: value} for name, value in load().to_metrics().items()}
+    wrapped = _apply_autoscaling_config(PrefillAutoscalingPolicy(prefill_tokens_per_s=MU))
+    assert wrapped(_context(idle, [r1], 1, requests=0, min_replicas=0))[0] == 0
+    assert wrapped(_context(idle, [r1], 1, requests=0, min_replicas=1))[0] == 1  # bounded by min_replicas
+    # Zero replicas and a request waiting: Serve's own cold start asks for one.
+    assert wrapped(_context({}, [r1], 0, requests=1, min_replicas=0))[0] == 1
+
+
 def test_config_is_validated():
     with pytest.raises(ValidationError, match="prefill_tokens_per_s"):
         PrefillPolicyConfig()
@@ -90,15 +118,16 @@ def test_config_is_validated():
         PrefillAutoscalingPolicy(prefill_tokens_per_s=1, ttft_budget=2)
 
 
-def _context(metrics: dict[str, dict], replicas: list[ReplicaID], current: int, **config) -> AutoscalingContext:
+def _context(metrics: dict[str, dict], replicas: list[ReplicaID], current: int, requests: float = 1.0,
+             queued: float = 0.0, min_replicas: int = 1, **config) -> AutoscalingContext:
     deployment = replicas[0].deployment_id
     config = {"upscale_delay_s": 0.0, "downscale_delay_s": 0.0, **config}
-    autoscaling = AutoscalingConfig(min_replicas=1, max_replicas=3, **config)
+    autoscaling = AutoscalingConfig(min_replicas=min_replicas, max_replicas=3, **config)
     return AutoscalingContext(
         deployment_id=deployment, deployment_name=deployment.name, app_name=deployment.app_name,
         current_num_replicas=current, target_num_replicas=current, running_replicas=replicas,
-        total_num_requests=0, total_queued_requests=0, aggregated_metrics=metrics, raw_metrics=None,
-        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=3, policy_state={},
+        total_num_requests=requests, total_queued_requests=queued, aggregated_metrics=metrics, raw_metrics=None,
+        capacity_adjusted_min_replicas=min_replicas, capacity_adjusted_max_replicas=3, policy_state={},
         last_scale_up_time=None, last_scale_down_time=None, current_time=time.time(), config=autoscaling,
     )
 

@@ -219,3 +219,13 @@ def test_a_request_sent_elsewhere_than_its_first_choice_counts_once(core):
 def test_router_kwargs_are_validated():
     with pytest.raises(ValueError, match="prefix_margin"):
         _router(prefix_margin=3)
+
+
+def test_a_retry_ranks_the_replica_that_failed_it_last():
+    router = _router()
+    replicas = [FakeReplica("r1", waiting(0, at=0.0).to_metrics()),
+                FakeReplica("r2", waiting(5000, at=0.0).to_metrics())]
+    retry = FakePending([ForwardedRequest("POST", "/v1/completions", hint=ids_prompt(10), avoid_replicas=("r1",))],
+                        metadata=FakeMetadata("req-1"))
+    ranks = asyncio.run(router.choose_replicas(replicas, retry))
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["r2"], ["r1"]]  # r1 still a last resort
