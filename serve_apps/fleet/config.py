@@ -8,7 +8,8 @@ from pydantic import Field, model_validator
 
 from serve_apps.config import AutoscalingOptions, RoutingOptions
 from serve_apps.fleet.synthetic import SyntheticConfig, generate
-from serve_apps.fleet.trace import Trace, read_trace, scale_lengths, stretch, superpose, window
+from serve_apps.fleet.trace import Trace, scale_lengths, stretch, superpose, window
+from serve_apps.fleet.trace_files import read_trace
 from swiftkv.yaml_config import StrictConfig
 
 
@@ -30,8 +31,9 @@ class TrafficConfig(StrictConfig):
     """Where requests come from and how the trace is cut and scaled (applied in the order below)."""
 
     trace: str | None = None
-    """A trace file in the Mooncake format (``timestamp`` ms, ``input_length``, ``output_length``,
-    ``hash_ids``), e.g. ``/work/shared/traces/mooncake_conversation_trace.jsonl``."""
+    """A trace file, Mooncake (JSON lines: ``timestamp`` ms, ``input_length``, ``output_length``,
+    ``hash_ids``) or Azure (CSV: ``TIMESTAMP``, ``ContextTokens``, ``GeneratedTokens``); the three
+    shipped are in ``serve_apps/fleet/traces/``."""
 
     synthetic: SyntheticConfig | None = None
     """A generated workload instead of a trace file."""

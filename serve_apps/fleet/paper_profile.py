@@ -1,7 +1,7 @@
 """The H100 profile, derived (not measured) from the paper's published figures for
 Llama-3.1-8B-Instruct on one H100 80 GB under vLLM, our FLOPs model and the H100's data sheet.
 
-Paper figures used (SPEC.md's table; ``/work/shared/reference/swiftkv-paper-summary.txt``):
+Paper figures used (SwiftKV, Qiao et al., arXiv:2410.03960):
 
 - 50% SwiftKV serves 30K tokens/s (input + output) at 8K-token prompts and 256 output tokens
   (Fig. 3), and the base model 1.3-1.4x less (SPEC: "8K: 1.3-1.4x"; 1.35x taken);
