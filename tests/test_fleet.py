@@ -491,16 +491,20 @@ def test_simulate_and_report_write_their_figures(tmp_path, capsys, monkeypatch):
     assert results["summary"]["requests"] > 300 and (tmp_path / "sim" / "timeline.png").stat().st_size > 0
     report = tmp_path / "report.yaml"
     report.write_text(f"traffic: {traffic}\nprofile: {profile}\nvariants: [base, fast]\nout: {tmp_path / 'report'}\n"
-                      "main: [base/static/pow2, fast/prefill/prefill]\n")
+                      "main: [base/static/pow2, fast/prefill/prefill]\n"
+                      "tuning: {targets: [4, 16], delays: [[30, 600]]}\nfleet: {score_from_s: 30}\n")
     assert main(["fleet", "report", "--config", str(report)]) == 0
     out = capsys.readouterr().out
     assert "| fast | ours (prefill) | prefill |" in out and "| base | static x" in out
+    assert "| base | Serve defaults (target 2, delays 30 / 600 s) | pow2 |" in out
+    assert "| base/serve-tuned/pow2 | 16 | 30 / 600 |" in out  # the search is shown
     written = json.loads((tmp_path / "report" / "results.json").read_text())
-    assert len(written["runs"]) == 12 and {t["target"].split(":")[0] for t in written["targets"]} == {
-        "fast/prefill/prefill"}
+    assert len(written["runs"]) == 10
+    assert [t["target"].split(" vs ")[1].split(":")[0].split(" ")[0] for t in written["targets"]] == [
+        "base/serve-defaults/pow2", "base/serve-tuned/pow2", "base/prefill/prefill", "base/static/prefill"]
     # every run's figures are kept, and a second report reads them back instead of simulating again
-    assert len(list((tmp_path / "report" / "runs").glob("*.json"))) >= 12
-    monkeypatch.setattr("serve_apps.fleet.report.simulate", lambda *args, **kwargs: pytest.fail("simulated again"))
+    assert len(list((tmp_path / "report" / "runs").glob("*.json"))) >= 10
+    monkeypatch.setattr("serve_apps.fleet.grid.simulate", lambda *args, **kwargs: pytest.fail("simulated again"))
     assert main(["fleet", "report", "--config", str(report)]) == 0
     assert json.loads((tmp_path / "report" / "results.json").read_text())["runs"] == written["runs"]
 

@@ -124,6 +124,12 @@ class FleetSettings(StrictConfig):
     slo_ttft_s: float = Field(default=2.0, gt=0)
     """A request meets the SLO when its time to first token is at most this."""
 
+    score_from_s: float = Field(default=0.0, ge=0)
+    """Requests arriving before this are not scored (latency percentiles, SLO attainment, goodput),
+    for every fleet alike; replica-hours count from the start. An autoscaled fleet starts cold at
+    ``autoscaling.min_replicas`` while the trace starts at full rate: this is the time it is given to
+    come up (the replica-hours it spends meanwhile are counted)."""
+
     timeline_period_s: float = Field(default=10.0, gt=0)
     """Resolution of the replicas/TTFT timeline."""
 
