@@ -10,7 +10,7 @@ from serve_apps.fleet.config import FleetSettings
 from serve_apps.fleet.grid import FleetKind, Grid, ServeTuning
 from serve_apps.fleet.profile import ModelFigures, Profile
 from serve_apps.fleet.report import ReportConfig, format_report, targets
-from serve_apps.fleet.run_cache import RunCache, run_key
+from serve_apps.fleet.run_cache import SOURCES, RunCache, code_hash, run_key
 from serve_apps.fleet.serve_control import SERVE_DEFAULT_OPTIONS
 from serve_apps.fleet.trace import Trace, TraceRequest
 
@@ -72,14 +72,16 @@ def test_a_run_made_by_other_code_is_computed_again(tmp_path):
     """The cache key covers the sources: the same config with a changed source file is a new key."""
     source = tmp_path / "simulator.py"
     source.write_text("STEP = 1\n")
-    before = run_key({"fleet": 1}, (source,))
-    assert run_key({"fleet": 1}, (source,)) == before and run_key({"fleet": 2}, (source,)) != before
+    code = code_hash((source,))
+    before = run_key({"fleet": 1}, code)
+    assert run_key({"fleet": 1}, code) == before and run_key({"fleet": 2}, code) != before
     source.write_text("STEP = 2\n")
-    assert run_key({"fleet": 1}, (source,)) != before
+    assert run_key({"fleet": 1}, code_hash((source,))) != before
     cache = RunCache(str(tmp_path / "runs"))
     cache.put("base/static/pow2 x3", before, {"summary": {"replica_hours": 1.0}})
     assert cache.get("base/static/pow2 x3", before) == {"summary": {"replica_hours": 1.0}}
-    assert cache.get("base/static/pow2 x3", run_key({"fleet": 1}, (source,))) is None
+    assert cache.get("base/static/pow2 x3", run_key({"fleet": 1}, code_hash((source,)))) is None
+    assert run_key({"fleet": 1}) == run_key({"fleet": 1}, code_hash(SOURCES))  # the loaded code by default
 
 
 def _summary(hours: float, goodput: float, attainment: float) -> dict:

@@ -22,16 +22,21 @@ SOURCES = tuple(_SERVE_APPS / name for name in (
 """The code a run's figures depend on (the report's own layout does not change them)."""
 
 
-def code_hash(sources: tuple[Path, ...] = SOURCES) -> str:
+def code_hash(sources: tuple[Path, ...]) -> str:
     digest = hashlib.sha256(ray.__version__.encode())
     for path in sources:
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()
 
 
-def run_key(config: dict[str, Any], sources: tuple[Path, ...] = SOURCES) -> str:
-    """A key for a run: its config (JSON-able) and the code's hash."""
-    payload = json.dumps({"config": config, "code": code_hash(sources)}, sort_keys=True, default=str)
+LOADED_CODE = code_hash(SOURCES)
+"""The sources as this process loaded them (read at import: files edited while a report runs must not
+label figures that the code in memory computed)."""
+
+
+def run_key(config: dict[str, Any], code: str = LOADED_CODE) -> str:
+    """A key for a run: its config (JSON-able) and the hash of the code that computes it."""
+    payload = json.dumps({"config": config, "code": code}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
