@@ -15,9 +15,11 @@ from serve_apps.fleet.profile import ModelFigures, Profile, ReplicaCosts, load_p
 from serve_apps.fleet.results import summarize
 from serve_apps.fleet.simulator import simulate
 from serve_apps.fleet.synthetic import SyntheticConfig, generate
-from serve_apps.fleet.trace import Trace, TraceRequest, read_trace, scale_lengths, superpose, window, write_trace
+from serve_apps.fleet.trace import Trace, TraceRequest, scale_lengths, superpose, window
+from serve_apps.fleet.trace_files import read_trace, write_trace
 
 PROFILES = Path(__file__).resolve().parents[1] / "serve_apps" / "fleet" / "profiles"
+TRACES = PROFILES.parent / "traces"
 
 
 def figures(rate: float = 1000.0, step_s: float = 0.01, budget: int = 257, kv_tokens: int = 10**6,
@@ -298,14 +300,23 @@ def test_synthetic_traffic_is_poisson_and_conversations_share_prefixes():
     assert max(r.arrival_s for r in ramp.requests) < 1000
 
 
-def test_the_committed_trace_slice_reads_and_scales():
-    slice_ = PROFILES.parent / "data" / "mooncake_conversation_first_minute.jsonl"
-    trace = read_trace(slice_)
-    assert len(trace.requests) == 162 and trace.duration_s < 60 and trace.block_tokens == 512
-    built = TrafficConfig(trace=str(slice_), copies=2, time_factor=3.0,
+def test_the_shipped_traces_read_and_scale():
+    """The three traces in the repository: Mooncake's hour (its first minute is the validation's
+    slice) and Azure's two CSVs, read by one loader (wall-clock arrivals from 0, no prefix blocks)."""
+    first_minute = TrafficConfig(trace=str(TRACES / "mooncake_conversation_trace.jsonl"), duration_s=60).build()
+    assert len(first_minute.requests) == 162 and first_minute.block_tokens == 512
+    built = TrafficConfig(trace=str(TRACES / "mooncake_conversation_trace.jsonl"), duration_s=60, copies=2,
+                          time_factor=3.0,
                           lengths={"block_tokens": 16, "max_input_tokens": 1536, "max_output_tokens": 16}).build()
     assert len(built.requests) == 324 and built.duration_s < 180 and built.block_tokens == 16
     assert max(r.input_tokens for r in built.requests) == 1536 and max(r.output_tokens for r in built.requests) == 16
+    for name, count, span_min in (("conv", 19366, 58), ("code", 8819, 57)):
+        trace = read_trace(TRACES / "azure-llm-2023" / f"AzureLLMInferenceTrace_{name}.csv")
+        assert len(trace.requests) == count and int(trace.duration_s // 60) == span_min
+        assert trace.requests[0].arrival_s == 0.0 and not any(r.blocks for r in trace.requests)
+    code = read_trace(TRACES / "azure-llm-2023" / "AzureLLMInferenceTrace_code.csv").requests[:2]
+    assert [(r.input_tokens, r.output_tokens) for r in code] == [(4808, 10), (3180, 8)]
+    assert code[1].arrival_s == pytest.approx(0.052)  # 18:17:04.0319600 - 18:17:03.9799600
 
 
 def test_bad_input_is_named(tmp_path):
@@ -314,8 +325,28 @@ def test_bad_input_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object"):
         read_trace(bad)
     bad.write_text('{"timestamp": 0, "input_length": -3, "output_length": 1}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: 'input_length' must be a non-negative integer"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: 'input_length' must be an integer of at least 1"):
         read_trace(bad)
+    bad.write_text('{"timestamp": 900, "input_length": 10, "output_length": 1}\n'
+                   '{"timestamp": 800, "input_length": 10, "output_length": 1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: 'timestamp' goes backwards"):
+        read_trace(bad)
+    neither = tmp_path / "neither.txt"
+    neither.write_text("time,prompt,output\n0,10,1\n")
+    with pytest.raises(ValueError, match=r"neither.txt:1: neither a Mooncake trace .* nor an Azure trace"):
+        read_trace(neither)
+    csv = tmp_path / "azure.csv"
+    csv.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.68,10\n")
+    with pytest.raises(ValueError, match=r"azure.csv:1: missing column 'GeneratedTokens'"):
+        read_trace(csv)
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,1\n"
+                   "2023-11-16 18:15:47.00,10,x\n")
+    with pytest.raises(ValueError, match=r"azure.csv:3: 'GeneratedTokens' must be an integer, got 'x'"):
+        read_trace(csv)
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,1\n"
+                   "2023-11-16 18:15:45.00,10,1\n")
+    with pytest.raises(ValueError, match=r"azure.csv:3: 'TIMESTAMP' goes backwards"):
+        read_trace(csv)
     with pytest.raises(FileNotFoundError, match="trace file not found"):
         read_trace(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="the profile has no model 'large'"):
@@ -460,16 +491,20 @@ def test_simulate_and_report_write_their_figures(tmp_path, capsys, monkeypatch):
     assert results["summary"]["requests"] > 300 and (tmp_path / "sim" / "timeline.png").stat().st_size > 0
     report = tmp_path / "report.yaml"
     report.write_text(f"traffic: {traffic}\nprofile: {profile}\nvariants: [base, fast]\nout: {tmp_path / 'report'}\n"
-                      "main: [base/static/pow2, fast/prefill/prefill]\n")
+                      "main: [base/static/pow2, fast/prefill/prefill]\n"
+                      "tuning: {targets: [4, 16], delays: [[30, 600]]}\nfleet: {score_from_s: 30}\n")
     assert main(["fleet", "report", "--config", str(report)]) == 0
     out = capsys.readouterr().out
     assert "| fast | ours (prefill) | prefill |" in out and "| base | static x" in out
+    assert "| base | Serve defaults (target 2, delays 30 / 600 s) | pow2 |" in out
+    assert "| base/serve-tuned/pow2 | 16 | 30 / 600 |" in out  # the search is shown
     written = json.loads((tmp_path / "report" / "results.json").read_text())
-    assert len(written["runs"]) == 12 and {t["target"].split(":")[0] for t in written["targets"]} == {
-        "fast/prefill/prefill"}
+    assert len(written["runs"]) == 10
+    assert [t["target"].split(" vs ")[1].split(":")[0].split(" ")[0] for t in written["targets"]] == [
+        "base/serve-defaults/pow2", "base/serve-tuned/pow2", "base/prefill/prefill", "base/static/prefill"]
     # every run's figures are kept, and a second report reads them back instead of simulating again
-    assert len(list((tmp_path / "report" / "runs").glob("*.json"))) >= 12
-    monkeypatch.setattr("serve_apps.fleet.report.simulate", lambda *args, **kwargs: pytest.fail("simulated again"))
+    assert len(list((tmp_path / "report" / "runs").glob("*.json"))) >= 10
+    monkeypatch.setattr("serve_apps.fleet.grid.simulate", lambda *args, **kwargs: pytest.fail("simulated again"))
     assert main(["fleet", "report", "--config", str(report)]) == 0
     assert json.loads((tmp_path / "report" / "results.json").read_text())["runs"] == written["runs"]
 

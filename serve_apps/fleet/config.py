@@ -8,7 +8,8 @@ from pydantic import Field, model_validator
 
 from serve_apps.config import AutoscalingOptions, RoutingOptions
 from serve_apps.fleet.synthetic import SyntheticConfig, generate
-from serve_apps.fleet.trace import Trace, read_trace, scale_lengths, stretch, superpose, window
+from serve_apps.fleet.trace import Trace, scale_lengths, stretch, superpose, window
+from serve_apps.fleet.trace_files import read_trace
 from swiftkv.yaml_config import StrictConfig
 
 
@@ -30,8 +31,9 @@ class TrafficConfig(StrictConfig):
     """Where requests come from and how the trace is cut and scaled (applied in the order below)."""
 
     trace: str | None = None
-    """A trace file in the Mooncake format (``timestamp`` ms, ``input_length``, ``output_length``,
-    ``hash_ids``), e.g. ``/work/shared/traces/mooncake_conversation_trace.jsonl``."""
+    """A trace file, Mooncake (JSON lines: ``timestamp`` ms, ``input_length``, ``output_length``,
+    ``hash_ids``) or Azure (CSV: ``TIMESTAMP``, ``ContextTokens``, ``GeneratedTokens``); the three
+    shipped are in ``serve_apps/fleet/traces/``."""
 
     synthetic: SyntheticConfig | None = None
     """A generated workload instead of a trace file."""
@@ -121,6 +123,12 @@ class FleetSettings(StrictConfig):
 
     slo_ttft_s: float = Field(default=2.0, gt=0)
     """A request meets the SLO when its time to first token is at most this."""
+
+    score_from_s: float = Field(default=0.0, ge=0)
+    """Requests arriving before this are not scored (latency percentiles, SLO attainment, goodput),
+    for every fleet alike; replica-hours count from the start. An autoscaled fleet starts cold at
+    ``autoscaling.min_replicas`` while the trace starts at full rate: this is the time it is given to
+    come up (the replica-hours it spends meanwhile are counted)."""
 
     timeline_period_s: float = Field(default=10.0, gt=0)
     """Resolution of the replicas/TTFT timeline."""

@@ -14,27 +14,31 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {f"p{q}": percentile(values, q) if values else math.nan for q in (50, 90, 99)}
 
 
-def summarize(run: RunResult, slo_ttft_s: float) -> dict[str, Any]:
+def summarize(run: RunResult, slo_ttft_s: float, score_from_s: float = 0.0) -> dict[str, Any]:
     """Every figure of ``run`` at a TTFT SLO of ``slo_ttft_s`` (a request never answered counts as
-    missing it; its TTFT as infinite in the percentiles). ``slo_attainment`` is over every request;
-    ``feasible_slo_attainment`` over those whose prompt an idle replica prefills within the SLO (no
-    fleet can answer the others in time: a 126K-token prompt takes seconds on one GPU)."""
-    requests = run.requests
+    missing it; its TTFT as infinite in the percentiles). Latency, attainment and goodput are over the
+    requests arriving from ``score_from_s`` on; replica-hours, throughput and the cache share over the
+    whole run. ``slo_attainment`` is over every scored request; ``feasible_slo_attainment`` over those
+    whose prompt an idle replica prefills within the SLO (no fleet can answer the others in time: a
+    126K-token prompt takes seconds on one GPU)."""
+    scored = [(r, idle) for r, idle in zip(run.requests, run.idle_ttft_s, strict=True) if r.arrival_s >= score_from_s]
+    requests = [r for r, _ in scored]
     ttfts = [math.inf if r.ttft_s is None else r.ttft_s for r in requests]
-    done = [r for r in requests if r.finish_s is not None]
+    done = [r for r in run.requests if r.finish_s is not None]
     within = sum(1 for t in ttfts if t <= slo_ttft_s)
-    feasible = [t for t, idle in zip(ttfts, run.idle_ttft_s, strict=True) if idle <= slo_ttft_s]
+    feasible = [t for t, (_, idle) in zip(ttfts, scored, strict=True) if idle <= slo_ttft_s]
     feasible_within = sum(1 for t in feasible if t <= slo_ttft_s)
     replica_s = sum(stop - start for start, stop in run.replicas)
-    busy_s = sum(r.finish_s - r.routed_s for r in requests if r.finish_s is not None)
+    busy_s = sum(r.finish_s - r.routed_s for r in done)
     span = max(run.end_s, 1e-9)
     tpots = [(r.finish_s - r.first_token_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     prompt = sum(r.input_tokens for r in done)
     hours = span / 3600
     return {
-        "requests": len(requests),
+        "requests": len(run.requests),
+        "scored_requests": len(requests),
         "finished": len(done),
-        "failed": len(requests) - len(done),
+        "failed": len(run.requests) - len(done),
         "ttft_s": _percentiles(ttfts),
         "tpot_s": _percentiles(tpots),
         "slo_ttft_s": slo_ttft_s,

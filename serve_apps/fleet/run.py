@@ -21,7 +21,7 @@ def run_simulate(cfg: SimulateConfig, profile: Profile) -> dict[str, Any]:
     fleet = cfg.fleet
     with tqdm(total=round(trace.duration_s), desc="simulated", unit="s") as bar:
         result = simulate(fleet, trace, profile, lambda now: bar.update(min(round(now), bar.total) - bar.n))
-    summary = summarize(result, fleet.slo_ttft_s)
+    summary = summarize(result, fleet.slo_ttft_s, fleet.score_from_s)
     rows = timeline(result, fleet.timeline_period_s)
     write_files(cfg.out, {
         "results.json": json.dumps({"config": cfg.model_dump(mode="json"), "summary": summary, "timeline": rows,

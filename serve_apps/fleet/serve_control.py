@@ -42,6 +42,16 @@ from serve_apps.fleet.replica import Replica, SimRequest
 from serve_apps.hints import PromptHint
 
 DEPLOYMENT = DeploymentID(name="model-fleet", app_name="fleet")
+SERVE_DEFAULT_OPTIONS = ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "metrics_interval_s",
+                         "look_back_period_s")
+"""The request-count policy's options a deployment that sets none runs with."""
+
+
+def serve_autoscaling_defaults() -> dict[str, float]:
+    """Serve's own defaults for :data:`SERVE_DEFAULT_OPTIONS`, read from the installed Serve's
+    ``AutoscalingConfig`` (so a baseline at "Serve's defaults" is whatever this Serve's are)."""
+    fields = AutoscalingConfig.model_fields
+    return {name: float(fields[name].default) for name in SERVE_DEFAULT_OPTIONS}
 
 
 class SimReplicaHandle:

@@ -213,10 +213,10 @@ class Simulation:
         return self.miss_budget is not None and self.misses > self.miss_budget
 
     def count_misses(self, finished: list[SimRequest]) -> None:
-        """Requests an idle replica would have answered within the SLO but this fleet did not."""
+        """Scored requests an idle replica would have answered within the SLO but this fleet did not."""
         slo = self.cfg.slo_ttft_s
-        self.misses += sum(1 for r in finished
-                           if r.ttft_s > slo and self.idle_ttft[r.index] <= slo and r.index not in self.missed)
+        self.misses += sum(1 for r in finished if r.ttft_s > slo and self.idle_ttft[r.index] <= slo
+                           and r.index not in self.missed and r.arrival_s >= self.cfg.score_from_s)
 
     def deadline(self, index: int) -> None:
         """A feasible request's SLO has passed: without a first token by now it has missed, whether it
@@ -248,7 +248,8 @@ class Simulation:
                 self.pending.append(self.requests[payload])
                 if payload + 1 < len(self.requests):
                     self.push(self.routable_at[payload + 1], ARRIVAL, payload + 1)
-                if self.miss_budget is not None and self.idle_ttft[payload] <= cfg.slo_ttft_s:
+                if self.miss_budget is not None and self.idle_ttft[payload] <= cfg.slo_ttft_s \
+                        and self.requests[payload].arrival_s >= cfg.score_from_s:
                     self.push(self.requests[payload].arrival_s + cfg.slo_ttft_s, DEADLINE, payload)
                 await self.dispatch()
             elif kind == REPLICA:

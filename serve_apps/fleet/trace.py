@@ -1,9 +1,9 @@
-"""Request traces in the Mooncake format, and the transformations a fleet study needs.
+"""Request traces (arrival, prompt and output lengths, prefix block ids) and the transformations a
+fleet study needs. :mod:`serve_apps.fleet.trace_files` reads them from files.
 
-One JSON object a line: ``timestamp`` (arrival, ms from the start), ``input_length`` and
-``output_length`` (tokens), ``hash_ids`` (prefix block hashes, ``block_tokens`` = 512 tokens a block:
-equal ids at the start of two requests mean a shared prefix; the last block may be partial).
-``/work/shared/traces/README.md`` describes the Mooncake FAST'25 conversation trace in this format.
+Prefix blocks are ``block_tokens`` tokens each (512 in the Mooncake traces): equal ids at the start of
+two requests mean a shared prefix; the last block may be partial. A trace without prefix ids (Azure's)
+has none.
 
 Scaling keeps the trace's structure: :func:`superpose` adds copies of the trace as independent user
 populations (disjoint block ids, each copy shifted in time) to raise the arrival rate without
@@ -13,12 +13,10 @@ shared) for hardware that cannot run the real lengths.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per prefix block in the Mooncake traces."""
@@ -44,59 +42,6 @@ class Trace:
     @property
     def duration_s(self) -> float:
         return self.requests[-1].arrival_s if self.requests else 0.0
-
-
-def _field(row: dict, key: str, where: str) -> int:
-    value = row.get(key)
-    if key not in row:
-        raise ValueError(f"{where}: missing {key!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
-        raise ValueError(f"{where}: {key!r} must be a non-negative integer, got {value!r}")
-    return int(value)
-
-
-def parse_line(line: str, where: str) -> TraceRequest:
-    """One trace line; a ``ValueError`` naming ``where`` (file:line) and the problem otherwise."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: not a JSON object ({err.msg})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: not a JSON object")
-    arrival_ms = row.get("timestamp")
-    if isinstance(arrival_ms, bool) or not isinstance(arrival_ms, (int, float)) or not math.isfinite(arrival_ms) \
-            or arrival_ms < 0:
-        raise ValueError(f"{where}: 'timestamp' must be a non-negative number of milliseconds, got {arrival_ms!r}")
-    input_tokens = _field(row, "input_length", where)
-    if input_tokens < 1:
-        raise ValueError(f"{where}: 'input_length' must be at least 1")
-    blocks = row.get("hash_ids", [])
-    if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
-        raise ValueError(f"{where}: 'hash_ids' must be a list of integers")
-    return TraceRequest(arrival_ms / 1000.0, input_tokens, _field(row, "output_length", where), tuple(blocks))
-
-
-def read_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Trace:
-    """Read a trace file (requests sorted by arrival; blank lines skipped)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"trace file not found: {path}")
-    requests = []
-    with path.open() as lines:
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                requests.append(parse_line(line, f"{path}:{number}"))
-    if not requests:
-        raise ValueError(f"{path}: no requests in the trace")
-    return Trace(tuple(sorted(requests, key=lambda r: r.arrival_s)), block_tokens)
-
-
-def write_trace(trace: Trace, path: str | Path) -> None:
-    """Write ``trace`` in the same format (what :func:`read_trace` reads back)."""
-    with Path(path).open("w") as out:
-        for r in trace.requests:
-            out.write(json.dumps({"timestamp": round(r.arrival_s * 1000, 3), "input_length": r.input_tokens,
-                                  "output_length": r.output_tokens, "hash_ids": list(r.blocks)}) + "\n")
 
 
 def window(trace: Trace, start_s: float = 0.0, duration_s: float | None = None, limit: int | None = None) -> Trace:
