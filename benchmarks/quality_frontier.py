@@ -66,6 +66,7 @@ def train_all(cfg: FrontierConfig, out: Path) -> tuple[dict[str, str], dict[str,
     fit figures; trains what is not there yet."""
     from benchmarks.drop_layers import train_drop_baseline
     from ray_jobs.distill import run as run_distill
+    from swiftkv.convert import convert_checkpoint
     from swiftkv.distill.config import load_config
     from swiftkv.distill.train_loop import MODEL_DIR
     from swiftkv.model_source import resolve_model
@@ -83,6 +84,13 @@ def train_all(cfg: FrontierConfig, out: Path) -> tuple[dict[str, str], dict[str,
             checkpoint = sorted((out / name).glob(f"step_*/{MODEL_DIR}/config.json"))
         models[name] = str(checkpoint[-1].parent)
         facts[name] = {"method": "swiftkv", "cutoff": c, **_init_fit(out / name)}
+        # The paper's rewired model (the copy start, undistilled): the gate's recovered share needs it.
+        rewired = out / f"rewired-c{c}"
+        if not (rewired / "config.json").is_file():
+            convert_checkpoint(resolve_model(recipe.model), rewired, num_key_value_layers=c,
+                               key_value_group_size=recipe.key_value_group_size)
+        models[rewired.name] = str(rewired)
+        facts[rewired.name] = {"method": "rewired", "cutoff": c}
         if cfg.drop_baseline:
             name = f"drop-c{c}"
             if not (out / name / "model" / "config.json").is_file():
@@ -105,8 +113,10 @@ def _num_layers(path: str) -> int:
 
 
 def frontier_rows(results: dict[str, Any], facts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per model: its facts, retrieval by length, recall, and each lm-eval task's score."""
+    """One row per model: its facts, retrieval by length, recall, each lm-eval task's score, and for
+    a SwiftKV model the quality gate (its base and its copy start, ``rewired-c<c>``, beside it)."""
     from swiftkv.evaluation.answer_scoring import pool
+    from swiftkv.evaluation.gate import GateConfig, judge
     from swiftkv.evaluation.needle import by_length
 
     rows = []
@@ -120,8 +130,30 @@ def frontier_rows(results: dict[str, Any], facts: dict[str, dict[str, Any]]) -> 
             row["recall"] = pool(recall["cells"])
         row["tasks"] = {task: parts[model] for task, parts in results["quality"].items()
                         if "score" in (parts.get(model) or {})}
+        if fact["method"] == "swiftkv":
+            lengths = [int(x) for x in row.get("retrieval", {})]
+            gate = GateConfig(model=model, base="base", rewired=f"rewired-c{fact['cutoff']}",
+                              retrieval_lengths=[x for x in lengths if x <= 2048] or [512, 2048])
+            row["gate"] = judge(results, gate)
         rows.append(row)
+    _base_from_pairs(rows)
     return rows
+
+
+def _base_from_pairs(rows: list[dict[str, Any]]) -> None:
+    """The base's retrieval and recall when it was not probed itself: every SwiftKV model's probe
+    scores the base on the same prompts (the first SwiftKV row's figures, with a difference of 0)."""
+    base = next(r for r in rows if r["method"] == "base")
+    paired = next((r for r in rows if r["method"] == "swiftkv" and "retrieval" in r), None)
+    if paired is None or "retrieval" in base:
+        return
+
+    def as_base(cell: dict[str, float]) -> dict[str, float]:
+        return {**cell, "exact": cell["base_exact"], "delta": 0.0, "delta_stderr": 0.0}
+
+    base["retrieval"] = {x: as_base(cell) for x, cell in paired["retrieval"].items()}
+    if "recall" in paired:
+        base["recall"] = as_base(paired["recall"])
 
 
 def format_frontier(rows: list[dict[str, Any]]) -> str:
@@ -130,7 +162,7 @@ def format_frontier(rows: list[dict[str, Any]]) -> str:
     lengths = sorted({int(x) for r in rows for x in r.get("retrieval", {})})
     tasks = list(dict.fromkeys(t for r in rows for t in r["tasks"]))
     head = ["model", "prefill saved", "K / V R² (linear ceiling)"] + [f"retrieval {x}" for x in lengths]
-    head += ["recall"] + tasks
+    head += ["recall"] + tasks + ["gate (recovered share, 95% CI)"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in rows:
         r2 = (f"{r['k_r2_least_squares']:.2f} / {r['v_r2_least_squares']:.2f}" if "k_r2_least_squares" in r else "-")
@@ -143,14 +175,22 @@ def format_frontier(rows: list[dict[str, Any]]) -> str:
         for task in tasks:
             part = r["tasks"].get(task)
             cells.append(f"{100 * part['score']:.1f} ± {100 * part['stderr']:.1f}" if part else "-")
+        cells.append(_gate_cell(r["gate"]) if "gate" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     n = next((r["retrieval"][str(lengths[0])]["n"] for r in rows if r.get("retrieval")), 0) if lengths else 0
     rec_n = next((r["recall"]["n"] for r in rows if r.get("recall")), 0)
     task_n = next((p["n"] for r in rows for p in r["tasks"].values()), 0)
     lines += ["", f"Retrieval: share of needles retrieved (n = {n} per length), in brackets the answer's log-prob "
               f"minus the base's on the same prompts; recall: n = {rec_n} conversations; tasks: n = {task_n} each, "
-              "0-shot, acc_norm."]
+              "0-shot, acc_norm; gate: retrieval at up to 2,048 tokens and recall >= 90% of the base's, recovered "
+              "share (against the undistilled copy start, `rewired-c<c>`) >= 0.5."]
     return "\n".join(lines)
+
+
+def _gate_cell(gate: dict[str, Any]) -> str:
+    share = next((line for line in gate["lines"] if line["line"] == "recovered share"), None)
+    detail = share["detail"].split(" over ")[0] if share and "value" in share else "n/a"
+    return f"**{gate['verdict']}** ({detail})"
 
 
 def plot_frontier(rows: list[dict[str, Any]]) -> bytes:
@@ -192,7 +232,11 @@ def run(cfg: FrontierConfig) -> dict[str, Any]:
     out = Path(cfg.out).resolve()
     evaluation = load_config(EvalConfig, cfg.evaluate, cfg.evaluate_overrides, "evaluation config")
     models, facts = train_all(cfg, out)
-    results = run_evaluate(evaluation.model_copy(update={"models": models, "out": str(out / "eval")}))
+    # The probes run on the trained models; each scores its base on the same prompts beside it.
+    probed = [m for m, fact in facts.items() if fact["method"] in ("swiftkv", "drop layers")]
+    evaluation = EvalConfig.model_validate({**evaluation.model_dump(), "models": models, "out": str(out / "eval"),
+                                            "probe_models": evaluation.probe_models or probed})
+    results = run_evaluate(evaluation)
     rows = frontier_rows(results, facts)
     table = format_frontier(rows)
     write_files(str(out), {"frontier.json": json.dumps({"rows": rows, "config": cfg.model_dump()}, indent=1).encode(),

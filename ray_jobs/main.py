@@ -1,4 +1,4 @@
-"""The main job, end to end: choose the cutoff (SimScore), convert, distil on Ray Train, evaluate the
+"""The main job, end to end: SimScore, convert at the cutoff, distil on Ray Train, evaluate the
 base, rewired and distilled models, benchmark prefill, serve the result and ask it, and report.
 
     python -m ray_jobs.main                  # embedded default: local Ray, bundled SmolLM2, bundled chat data
@@ -15,16 +15,20 @@ and the distilled model, asked through the ``openai`` client), then ``report.jso
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from ray_jobs.main_report import write_report
 from swiftkv.yaml_config import StrictConfig, job_main
+
+if TYPE_CHECKING:
+    from swiftkv.distill.config import DistillConfig
 
 log = logging.getLogger("ray_jobs.main")
 
@@ -34,19 +38,25 @@ DEFAULT_PROMPTS = [
     "Write a haiku about the sea.",
 ]
 
-FULL = {"distill": ["train.max_steps=20"]}
-"""The job's own sizes before the configured overrides: 20 of the CPU recipe's 80 steps (most of the
-recovery comes in the first 20), so that the whole job fits in 25 minutes on two cores."""
+FULL = {"distill": ["train.max_steps=20", "train.eval_every_steps=null", "init.calibration_rows=16"]}
+"""The job's own sizes before the configured overrides: 20 of the CPU recipe's 60 steps (at c = 18 the
+model retrieves as its base does by step 20), the least-squares start fitted on 16 rows, so that the
+whole job fits in about 25 minutes on two cores."""
+
+QUICK_MAX_SEQ_LEN = 512
+"""Quick mode's longest training row (the retrieval chats included): the least-squares fit and the
+steps then take a quarter of the recipe's tokens."""
 
 QUICK = {
-    "distill": ["train.max_steps=4", "train.eval_every_steps=null", "output.checkpoint_every_steps=4"],
+    "distill": ["train.max_steps=4", "train.eval_every_steps=null", "output.checkpoint_every_steps=4",
+                "init.calibration_rows=5"],
     "evaluate": ["limit=8", "tasks=[{name: ARC-Easy, task: arc_easy, metric: acc_norm}, "
                  "{name: PIQA, task: piqa, metric: acc_norm}]",
-                 "needle={lengths: [512, 2048], depths: [0.5], samples: 1}",
+                 "needle={lengths: [512, 2048], depths: [0.5], samples: 2}",
                  # One conversation of each kind: the SwiftKV models' probes (teacher and student, HF on
                  # one core each) are the longest part of a quick evaluation.
                  "multiturn={chitchat_conversations: 1, max_turns: 2, mtbench_questions: 1, history_tokens: 16, "
-                 "greedy_tokens: 4, recall_gaps: [0, 2], recall_samples: 1}"],
+                 "greedy_tokens: 4, recall_gaps: [0, 2], recall_samples: 2}"],
     "benchmark": ["input_lens=[512]", "num_prompts=2", "rounds=1", "latency_requests=2", "latency_input_len=256",
                   "latency_output_len=8"],
 }
@@ -61,9 +71,10 @@ class MainConfig(StrictConfig):
     """``key=value`` overrides applied to the recipe, as ``--set`` does for ``ray_jobs.distill``
     (after the job's own ``train.max_steps=20``, or quick mode's 4)."""
 
-    cutoff: Literal["simscore", "recipe"] = "simscore"
-    """``simscore``: distil at the cutoff SimScore recommends for the base model (the recipe's when it
-    recommends none); ``recipe``: at the recipe's ``num_key_value_layers``. The report says which."""
+    cutoff: Literal["simscore", "recipe"] = "recipe"
+    """``recipe``: distil at the recipe's ``num_key_value_layers`` (the shipped recipe's is the deepest
+    cutoff that passes the quality gate); ``simscore``: at the cutoff SimScore recommends for the base
+    model (the recipe's when it recommends none). The report says which, and SimScore's suggestion."""
 
     simscore_samples: int = Field(default=16, gt=0)
     """Bundled chat conversations (chitchat) SimScore runs the base model on."""
@@ -146,6 +157,16 @@ def hf_answers(checkpoint: str, prompts: list[str], max_new_tokens: int) -> dict
             "student": chat_generate(model.swiftkv(True), tokenizer, prompts, max_new_tokens)}
 
 
+def short_rows(recipe: DistillConfig, max_seq_len: int) -> DistillConfig:
+    """``recipe`` with rows of at most ``max_seq_len`` tokens, its retrieval chats made that short too."""
+    from swiftkv.distill.config import RetrievalSourceConfig
+
+    sources = [src.model_copy(update={"min_tokens": min(src.min_tokens, max_seq_len // 2), "max_tokens": max_seq_len})
+               if isinstance(src, RetrievalSourceConfig) else src for src in recipe.data.sources]
+    data = recipe.data.model_copy(update={"sources": sources, "max_seq_len": min(recipe.data.max_seq_len, max_seq_len)})
+    return recipe.model_copy(update={"data": data})
+
+
 def serve_step(models: dict[str, str], cfg: MainConfig, out: Path) -> dict[str, Any]:
     """``swiftkv serve`` both models; each answers the prompts through the ``openai`` client."""
     import openai
@@ -189,8 +210,13 @@ def run(cfg: MainConfig) -> dict[str, Any]:
     quick = QUICK if cfg.quick else FULL
     recipe = load_distill_config(cfg.distill, [f"output.storage_path={out / 'distill'}", *quick.get("distill", []),
                                                *cfg.distill_overrides])
+    if cfg.quick:
+        recipe = short_rows(recipe, QUICK_MAX_SEQ_LEN)
     # Checked before any work: a bad key in any of the three configs is an error now, not in an hour.
-    evaluation = load_config(EvalConfig, cfg.evaluate, [*quick.get("evaluate", []), *cfg.evaluate_overrides],
+    # The config is checked against the models the job will name (the gate and the probes name them).
+    job_models = {"base": recipe.model, "rewired": str(out / "rewired"), "distilled": str(out / "distill")}
+    evaluation = load_config(EvalConfig, cfg.evaluate,
+                             [f"models={json.dumps(job_models)}", *quick.get("evaluate", []), *cfg.evaluate_overrides],
                              "evaluation config")
     bench = load_config(ServingBenchConfig, cfg.benchmark, [*quick.get("benchmark", []), *cfg.benchmark_overrides],
                         "benchmark config")

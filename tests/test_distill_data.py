@@ -128,6 +128,18 @@ def test_retrieval_rows_hold_their_answer_far_back_at_the_asked_length(tokenizer
     assert other != retrieval_chat(0, [task], "bundled:squad", 512, 2048, 3, tokenizer)  # the seed matters
 
 
+def test_short_document_questions_fit_their_row(tokenizer):
+    # A SQuAD paragraph can be longer than a short row by itself: the row takes a question whose own
+    # paragraph fits, so no row of the shortest allowed range runs past its length.
+    from swiftkv.distill.retrieval_data import check_retrieval_spec, retrieval_chat
+
+    check_retrieval_spec(["doc_qa"], "bundled:squad", 192, 384, tokenizer)
+    for index in range(40):
+        messages = retrieval_chat(index, ["doc_qa"], "bundled:squad", 192, 384, 0, tokenizer)
+        length = len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+        assert length <= 384, (index, length)
+
+
 def test_retrieval_spec_errors_name_the_problem(tokenizer, tmp_path):
     from swiftkv.distill.retrieval_data import check_retrieval_spec
 

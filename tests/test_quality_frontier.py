@@ -32,21 +32,32 @@ def test_the_table_and_plot_cover_every_model():
     def needle(exact):
         return {"cells": [_cell(512, exact, 1.0), _cell(2048, exact / 2, 1.0)]}
 
+    def recall(exact):
+        return {"recall": {"gaps": [0], "cells": [{"gap": 0, **_cell(0, exact, 1.0)}]}}
+
+    # The base is not probed itself: the SwiftKV model's probe scored it on the same prompts.
     results = {
-        "long_context": {"base": needle(1.0), "swiftkv-c15": needle(0.4), "drop-c15": needle(0.8)},
-        "multi_turn": {m: {"recall": {"gaps": [0], "cells": [{"gap": 0, **_cell(0, 0.5, 1.0)}]}}
-                       for m in ("base", "swiftkv-c15", "drop-c15")},
-        "quality": {"SciQ": {m: {"score": s, "stderr": 0.02, "n": 500}
-                             for m, s in (("base", 0.8), ("swiftkv-c15", 0.7), ("drop-c15", 0.5))}},
+        "long_context": {"swiftkv-c15": needle(0.4), "drop-c15": needle(0.8)},
+        "multi_turn": {"swiftkv-c15": recall(0.5), "drop-c15": recall(0.5)},
+        "quality": {"SciQ": {m: {"score": s, "stderr": 0.02, "n": 500} for m, s in (
+            ("base", 0.8), ("swiftkv-c15", 0.75), ("rewired-c15", 0.6), ("drop-c15", 0.5))}},
     }
     facts = {"base": {"method": "base", "cutoff": None, "prefill_saving": 0.0},
              "swiftkv-c15": {"method": "swiftkv", "cutoff": 15, "prefill_saving": 0.5, "k_r2_least_squares": 0.79,
                              "v_r2_least_squares": 0.74},
+             "rewired-c15": {"method": "rewired", "cutoff": 15, "prefill_saving": 0.5},
              "drop-c15": {"method": "drop layers", "cutoff": 15, "prefill_saving": 0.5}}
     rows = frontier_rows(results, facts)
-    assert [r["model"] for r in rows] == ["base", "swiftkv-c15", "drop-c15"]
-    assert rows[1]["retrieval"]["2048"]["exact"] == 0.2 and rows[2]["tasks"]["SciQ"]["score"] == 0.5
+    assert [r["model"] for r in rows] == ["base", "swiftkv-c15", "rewired-c15", "drop-c15"]
+    assert rows[1]["retrieval"]["2048"]["exact"] == 0.2 and rows[3]["tasks"]["SciQ"]["score"] == 0.5
+    assert rows[0]["retrieval"]["2048"]["exact"] == 1.0 and rows[0]["recall"]["exact"] == 1.0
+    # The gate: 40% / 20% of the base's retrieval and half its recall fail; SciQ recovered three quarters of its loss.
+    gate = rows[1]["gate"]
+    assert gate["verdict"] == "FAIL" and [x["verdict"] for x in gate["lines"]] == ["FAIL", "FAIL", "FAIL", "PASS"]
+    assert "gate" not in rows[2] and "gate" not in rows[3]
     table = format_frontier(rows)
-    assert "| swiftkv-c15 | 50% | 0.79 / 0.74 | 40% (-0.5) | 20% (-0.5) | 50% (-0.5) | 70.0 ± 2.0 |" in table
+    assert ("| swiftkv-c15 | 50% | 0.79 / 0.74 | 40% (-0.5) | 20% (-0.5) | 50% (-0.5) | 75.0 ± 2.0 | "
+            "**FAIL** (0.75 (95% CI") in table
+    assert "| base | 0% | - | 100% (+0.0) | 100% (+0.0) | 100% (+0.0) | 80.0 ± 2.0 | - |" in table
     assert "n = 20 per length" in table and "n = 500 each" in table
     assert plot_frontier(rows).startswith(b"\x89PNG")

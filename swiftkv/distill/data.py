@@ -150,6 +150,10 @@ def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+RETRIEVAL_ROWS_PER_READ = 16
+"""Synthetic retrieval rows per Ray Data read task."""
+
+
 def _retrieval_messages(batch: dict[str, np.ndarray], src: RetrievalSourceConfig, tokenizer_path: str,
                         heldout: bool, fraction: float) -> pa.Table:
     tokenizer = load_tokenizer(tokenizer_path)
@@ -211,7 +215,11 @@ def _messages(cfg: DataConfig, heldout: bool, tokenizer_path: str) -> ray.data.D
     parts = []
     for i, src in enumerate(cfg.sources):
         if isinstance(src, RetrievalSourceConfig):
-            parts.append(ray.data.range(src.rows).map_batches(
+            # Generating a row takes about 0.1 s of tokenizer work: small read blocks let the first
+            # batch, the least-squares start's few rows and the held-out limit stop early instead of
+            # waiting for one task to make every row.
+            read_blocks = -(-src.rows // RETRIEVAL_ROWS_PER_READ)
+            parts.append(ray.data.range(src.rows, override_num_blocks=read_blocks).map_batches(
                 _retrieval_messages, batch_format="numpy",
                 fn_kwargs=dict(src=src, tokenizer_path=tokenizer_path, heldout=heldout, fraction=cfg.heldout_fraction),
             ).repartition(target_num_rows_per_block=rows_per_block, strict=True))

@@ -207,17 +207,28 @@ def _recall(filler: Filler, budget: _Budget, target: int, rng: random.Random) ->
 
 
 def _doc_qa(filler: Filler, budget: _Budget, target: int, rng: random.Random) -> Messages:
-    index, question, answer = rng.choice(filler.questions)
     order = rng.random()
 
-    def build(paragraphs: list[str]) -> Messages:
-        at = round(order * len(paragraphs))
-        text = "\n\n".join(paragraphs[:at] + [filler.paragraphs[index]] + paragraphs[at:])
-        return [{"role": "user", "content": f"Answer the question from the documents below.\n\n{text}\n\n"
-                                            f"Question: {question}"},
-                {"role": "assistant", "content": answer}]
+    def build_for(index: int, question: str, answer: str):
+        def build(paragraphs: list[str]) -> Messages:
+            at = round(order * len(paragraphs))
+            text = "\n\n".join(paragraphs[:at] + [filler.paragraphs[index]] + paragraphs[at:])
+            return [{"role": "user", "content": f"Answer the question from the documents below.\n\n{text}\n\n"
+                                                f"Question: {question}"},
+                    {"role": "assistant", "content": answer}]
+        return build
 
-    return _fill(build, budget, target, _paragraphs(filler, budget, rng, skip=index))
+    # A long SQuAD paragraph alone can pass a short target: draw until the question's own paragraph
+    # fits, else take the shortest drawn (the row is then as short as the data allows).
+    drawn = []
+    for _ in range(_MISSES):
+        qa = rng.choice(filler.questions)
+        size = budget.chat(build_for(*qa)([]))
+        drawn.append((size, qa))
+        if size <= target:
+            break
+    index, question, answer = min(drawn, key=lambda d: d[0])[1]
+    return _fill(build_for(index, question, answer), budget, target, _paragraphs(filler, budget, rng, skip=index))
 
 
 _MAKERS = {"passkey": _passkey, "kv_lookup": _kv_lookup, "recall": _recall, "doc_qa": _doc_qa}
