@@ -261,7 +261,9 @@ def run(cfg: MainConfig) -> dict[str, Any]:
     quality = run_evaluate(evaluation.model_copy(update={"models": models, "out": str(out / "eval")}))
 
     steps.start("prefill benchmark", "vLLM, base vs SwiftKV, side by side")
-    bench = run_benchmark(bench.model_copy(update={"model": base, "cutoff": c / num_layers, "out": str(out / "bench"),
+    # The benchmark takes the paper's "F SwiftKV": the share of layers the prompt skips.
+    skipped = (num_layers - c) / num_layers
+    bench = run_benchmark(bench.model_copy(update={"model": base, "cutoff": skipped, "out": str(out / "bench"),
                                                    "work_dir": str(out / "bench" / "models")}))
 
     report: dict[str, Any] = {
