@@ -14,6 +14,12 @@ DESCRIPTION = (
 )
 
 
+def _config_options(parser: argparse.ArgumentParser, config_help: str, example: str) -> None:
+    parser.add_argument("--config", required=True, help=config_help)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a config key, dotted (e.g. {example}); repeatable")
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("fleet", help="simulate a fleet of replicas on a request trace (autoscaler + router)",
                               description=DESCRIPTION)
@@ -26,9 +32,7 @@ def add_parser(subparsers) -> None:
                      "(a ValidateConfig YAML, e.g. serve_apps/fleet/configs/validate-cpu.yaml)"),
     ):
         sub = actions.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("--config", required=True, help="the YAML config")
-        sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a config key, dotted (e.g. traffic.copies=8); repeatable")
+        _config_options(sub, "the YAML config", "traffic.copies=8")
         sub.set_defaults(func=run)
     serve_cal = actions.add_parser(
         "calibrate-serve", help="measure a variant's prefill/decode curves through the validation's own endpoint",
@@ -38,9 +42,7 @@ def add_parser(subparsers) -> None:
         "step time by batch and context as the replicas run behind Serve, whose proxy, ingress and streaming "
         "share their CPUs on a small host. Engine limits and start-up time are kept from the config's engine "
         "profile (`swiftkv calibrate`).")
-    serve_cal.add_argument("--config", required=True, help="the ValidateConfig YAML whose endpoint is measured")
-    serve_cal.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                           help="override a config key, dotted (e.g. calibration.batches=[1,4,8]); repeatable")
+    _config_options(serve_cal, "the ValidateConfig YAML whose endpoint is measured", "calibration.batches=[1,4,8]")
     serve_cal.add_argument("--out", required=True, help="profile to write (JSON)")
     serve_cal.set_defaults(func=run)
     resim = actions.add_parser(
