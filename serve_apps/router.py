@@ -6,7 +6,8 @@ prompt every request shares must not herd them all onto one replica).
 A replica's estimate is ``(uncached tokens waiting + tokens this router sent it since its figures
 were taken + this prompt's uncached tokens) / its calibrated prefill rate``. The waiting tokens come
 from the replica's own published :class:`~serve_apps.load.ReplicaLoad` (``record_routing_stats``);
-the router adds what it has sent since, because those figures are up to a stats period old, counting
+the router adds what it has sent since (and shortly before: a replica's engine counts a prompt a
+moment after the replica accepts it), because those figures are up to a stats period old, counting
 a prompt as soon as it ranks a replica first (Serve confirms the choice only after the replica has
 accepted, a round trip later, and meanwhile ranks the rest of a burst). Prefix
 ownership is remembered locally (which replica last got each prefix block), so nothing here waits
@@ -42,6 +43,11 @@ class PrefillRouterConfig(BaseModel):
     """Keep a prompt on the replica holding its prefix until that replica's estimated TTFT exceeds
     the best other replica's by more than this many seconds, or by more than the prefill time the
     cached prefix saves if that is less."""
+
+    admission_s: float = Field(default=0.5, ge=0)
+    """How long after a prompt is sent a replica's figures may still leave it out (Serve's accept,
+    then vLLM's parsing: the engine counts a prompt only once its handler starts generating). The
+    router keeps counting the prompt until figures taken this much later than the send."""
 
     sent_memory_s: float = Field(default=30.0, gt=0)
     """Forget tokens this router sent a replica after this long even if no newer figures came."""
@@ -84,8 +90,8 @@ class PrefillRouterCore:
         sent = self._sent.get(replica)
         if not sent:
             return 0.0
-        # A replica's figures only get newer, so what was sent before them is never counted again.
-        oldest = max(now - self.config.sent_memory_s, since)
+        # A replica's figures only get newer, so what was sent well before them is never counted again.
+        oldest = max(now - self.config.sent_memory_s, since - self.config.admission_s)
         while sent and sent[0][0] < oldest:
             sent.popleft()
         return sum(tokens for _, tokens in sent)

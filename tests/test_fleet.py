@@ -222,6 +222,15 @@ def test_max_ongoing_requests_holds_requests_at_the_router():
     assert third.routed_s == pytest.approx(min(r.finish_s for r in result.requests[:2]))
 
 
+def test_requests_queued_at_the_router_reach_the_policy():
+    """Short prompts with long replies: prefill load is light, but every replica is full and requests
+    wait at the handle. Serve hands the policy that queue (``total_queued_requests``): it scales up."""
+    requests = [TraceRequest(0.05 * i, 50, 400, blocks(10 * i, 1)) for i in range(12)]
+    fleet = {"max_ongoing_requests": 2, "autoscaling": {"min_replicas": 1, "max_replicas": 6, "upscale_delay_s": 0.0}}
+    result = run(requests, fleet, budget=4096)
+    assert result.scale_events and max(new for _, _, new in result.scale_events) >= 3
+
+
 def test_costs_interpolate_and_fit_decode():
     f = ModelFigures(model="m", hardware="h", prefill_tokens_per_s=500, prefill_tokens_per_s_by_input_len={
         1000: 1000, 3000: 500}, decode_step_s_by_batch={1: 0.0111, 9: 0.0199}, decode_context_tokens=100,

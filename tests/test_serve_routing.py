@@ -39,29 +39,31 @@ def client(endpoint):
 
 
 def _start_stream(client, model: str, ids: list[int], max_tokens: int):
-    """Open a streaming completion; return (serving replica, stream) once the response has started."""
+    """Open a streaming completion; return (serving replica, stream, when its first token came). The
+    ingress answers a stream once its first token is out (a replica lost before it is retried)."""
     raw = client.completions.with_raw_response.create(model=model, prompt=ids, max_tokens=max_tokens, stream=True,
                                                       temperature=0.0, extra_body={"ignore_eos": True})
-    return raw.headers["x-swiftkv-replica"], raw.parse()
+    return raw.headers["x-swiftkv-replica"], raw.parse(), time.monotonic()
 
 
 def test_router_prefers_the_idle_replica_over_one_with_a_long_prompt_queued(client):
-    long_replica, long_stream = _start_stream(client, "routed", prompt(3500, seed=1), 2)
-    # Two short requests with long outputs: they go to the other replica and keep it busy decoding.
-    busy = [_start_stream(client, "routed", prompt(16, seed=2 + i), 48) for i in range(2)]
-    assert long_replica not in {r for r, _ in busy}
-    # Serve's power-of-two router would now pick the long prompt's replica (1 request in flight
-    # against 2); the prefill-aware router sees 3,500 tokens waiting there and picks the other.
-    started = time.monotonic()
-    short_replica, short_stream = _start_stream(client, "routed", prompt(16, seed=9), 2)
-    first = next(iter(short_stream))
-    short_ttft = time.monotonic() - started
-    long_done = [c for c in long_stream]
-    long_elapsed = time.monotonic() - started
-    for _, stream in busy:
-        list(stream)
-    assert short_replica != long_replica and first.choices[0].text is not None
-    assert long_done and short_ttft < long_elapsed
+    with ThreadPoolExecutor(4) as pool:
+        long = pool.submit(_start_stream, client, "routed", prompt(3500, seed=1), 2)
+        time.sleep(1.0)  # routed long since; its prefill takes several seconds on CPU
+        # Two short requests with long outputs: they go to the other replica and keep it busy decoding.
+        busy = [pool.submit(_start_stream, client, "routed", prompt(16, seed=2 + i), 48) for i in range(2)]
+        time.sleep(1.0)
+        # Serve's power-of-two router would now pick the long prompt's replica (1 request in flight
+        # against 2); the prefill-aware router sees 3,500 tokens waiting there and picks the other.
+        sent = time.monotonic()
+        short_replica, short_stream, short_first = _start_stream(client, "routed", prompt(16, seed=9), 2)
+        long_replica, long_stream, long_first = long.result()
+        busy = [b.result() for b in busy]
+        assert long_first > sent, "the long prompt's prefill ended before the short request was sent"
+        assert long_replica not in {r for r, _, _ in busy} and short_replica != long_replica
+        assert short_first < long_first
+        for _, stream, _ in [*busy, (None, long_stream, None), (None, short_stream, None)]:
+            assert list(stream)
 
 
 def test_calibration_through_the_endpoint_measures_both_replicas_curves(endpoint):

@@ -107,13 +107,13 @@ class Autoscaler:
         self.last_scale_down_s: float | None = None
 
     def decide(self, now: float, running: list[ReplicaID], target: int, metrics: dict[str, dict[ReplicaID, float]],
-               total_requests: float) -> int:
+               total_requests: float, queued_requests: float) -> int:
         """The new target replica count (Serve's bounds applied)."""
         bounds = (self.config.min_replicas, self.config.max_replicas)
         ctx = AutoscalingContext(
             deployment_id=DEPLOYMENT, deployment_name=DEPLOYMENT.name, app_name=DEPLOYMENT.app_name,
             current_num_replicas=len(running), target_num_replicas=target, running_replicas=running,
-            total_num_requests=total_requests, total_queued_requests=0.0, aggregated_metrics=metrics,
+            total_num_requests=total_requests, total_queued_requests=queued_requests, aggregated_metrics=metrics,
             raw_metrics=None, capacity_adjusted_min_replicas=bounds[0], capacity_adjusted_max_replicas=bounds[1],
             policy_state=dict(self.state), last_scale_up_time=self.last_scale_up_s,
             last_scale_down_time=self.last_scale_down_s, current_time=now, config=self.config,

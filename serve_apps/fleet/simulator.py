@@ -87,7 +87,7 @@ class Simulation:
         self.draining: set[int] = set()
         self.pending: deque[SimRequest] = deque()
         self.samples: dict[ReplicaID, deque[tuple[float, dict[str, float]]]] = {}
-        self.totals: deque[tuple[float, float]] = deque()
+        self.totals: deque[tuple[float, float, float]] = deque()  # (time, requests, of which queued)
         self.scale_events: list[tuple[float, int, int]] = []
         self.timeline: list[dict[str, float]] = []
         self.finished = 0
@@ -169,7 +169,7 @@ class Simulation:
             while series[0][0] < self.now - window:
                 series.popleft()
         total = sum(self.replicas[n].ongoing for n in self.routable) + len(self.pending)
-        self.totals.append((self.now, float(total)))
+        self.totals.append((self.now, float(total), float(len(self.pending))))
         while self.totals[0][0] < self.now - window:
             self.totals.popleft()
 
@@ -186,8 +186,11 @@ class Simulation:
                 continue
             for name in series[0][1]:
                 metrics.setdefault(name, {})[rid] = sum(s[1][name] for s in series) / len(series)
-        total = sum(v for _, v in self.totals) / len(self.totals) if self.totals else 0.0
-        target = self.autoscaler.decide(self.now, running, self.target, metrics, total)
+        # Serve's totals: requests at the replicas and queued at the handles, and the queued alone,
+        # each averaged over the look-back window.
+        n = max(1, len(self.totals))
+        total, queued = (sum(sample[i] for sample in self.totals) / n for i in (1, 2))
+        target = self.autoscaler.decide(self.now, running, self.target, metrics, total, queued)
         if target == self.target:
             return
         self.scale_events.append((self.now, self.target, target))

@@ -56,7 +56,7 @@ class Session:
         cfg = self.cfg
         return {"name": name, "model": model, "prefill_tokens_per_s": capacity, "engine_kwargs": cfg.engine_kwargs,
                 "env": cfg.env, "num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus,
-                "max_ongoing_requests": 256, "graceful_shutdown_timeout_s": 30, **options}
+                "graceful_shutdown_timeout_s": 30, **options}
 
     def deploy(self, models: list[dict[str, Any]]) -> str:
         from ray import serve
