@@ -140,6 +140,23 @@ def test_kv_capacity_holds_requests_back_and_lru_evicts():
     assert again.requests[2].uncached_tokens == 1000  # the first prompt's blocks were evicted for the second's
 
 
+def test_a_full_cache_preempts_the_newest_request_which_recomputes_later():
+    """KV for 1,200 tokens. Two 300-token prompts with 500-token replies both fit when admitted; their
+    replies outgrow the cache at step 300 (600 prompt + 599 generated tokens held): the newer one is
+    preempted after 299 tokens, waits for the other to finish (5.59 s), then recomputes 300 tokens
+    (its prompt's blocks were still cached: its last prompt token and the 299 it had produced), 0.3 s,
+    and decodes its last 200 tokens."""
+    a = TraceRequest(0.0, 300, 500, blocks(0, 3))
+    b = TraceRequest(0.0, 300, 500, blocks(10, 3))
+    first, second = run([a, b], {"static_replicas": 1}, kv_tokens=1200, budget=4096).requests
+    assert (first.preemptions, second.preemptions) == (0, 1) and second.recomputed_tokens == 300
+    assert second.first_token_s == pytest.approx(0.61) and first.finish_s == pytest.approx(5.59)
+    assert second.finish_s == pytest.approx(5.59 + 0.3 + 2.0)
+    # With room for both, nothing is preempted and both finish together.
+    roomy = run([a, b], {"static_replicas": 1}, kv_tokens=1700, budget=4096).requests
+    assert [r.preemptions for r in roomy] == [0, 0] and roomy[1].finish_s == pytest.approx(0.61 + 4.99)
+
+
 def test_serve_delays_run_on_the_simulated_clock():
     """A burst needs more replicas; Serve's upscale delay (wall clock in Serve) holds on simulated time."""
     burst = [TraceRequest(0.1 * i, 2000, 1, blocks(100 * i, 20)) for i in range(200)]

@@ -54,6 +54,8 @@ def summarize(run: RunResult, slo_ttft_s: float, score_from_s: float = 0.0) -> d
         "request_throughput": len(done) / span,
         "output_tokens_per_s": sum(r.output_tokens for r in done) / span,
         "uncached_prompt_share": sum(r.uncached_tokens for r in done) / prompt if prompt else math.nan,
+        "preemptions": sum(r.preemptions for r in run.requests),
+        "recomputed_prompt_share": sum(r.recomputed_tokens for r in done) / prompt if prompt else math.nan,
         "scale_events": len(run.scale_events),
         "scale_events_per_hour": len(run.scale_events) / hours if hours else math.nan,
         "duration_s": span,
