@@ -11,11 +11,15 @@ budget ``T`` when ``lam + B / T <= N mu``. The scale-down test uses a lower util
 so a fleet just scaled down sits well below the scale-up line (no 2-1-2 flapping); Serve's own
 ``upscale_delay_s``/``downscale_delay_s`` and min/max bounds apply on top.
 
-Two request counts from Serve override the token figures: requests queued at the handles (every
-replica at ``max_ongoing_requests``: a decode-bound fleet can be saturated while its prompt tokens
-and KV cache look fine) ask for replicas enough to hold them all, and no request at all over the
-look-back window asks for zero replicas, which Serve bounds by ``min_replicas`` (Serve's own cold
-start brings the first replica back when a request arrives).
+Serve's request counts weigh too: a decode-bound fleet fills its replicas' seats
+(``max_ongoing_requests``) while its prompt tokens and KV cache look fine, and once every seat is
+taken new requests queue at the handles for as long as a reply takes. So the requests (ongoing and
+queued) ask for replicas enough to keep them within ``target_utilization`` of the seats, and a
+scale-down must leave them within ``downscale_utilization`` (the same hysteresis as for tokens;
+scaling down to exactly full seats made a decode-bound fleet queue, scale up, pay the start-up and
+scale down again). No request at all over the look-back window asks for zero replicas, which Serve
+bounds by ``min_replicas`` (Serve's own cold start brings the first replica back when a request
+arrives).
 
 :func:`decide` is a pure function of the replicas' :class:`~serve_apps.load.ReplicaLoad` figures,
 so the fleet simulator calls the very same code; :class:`PrefillAutoscalingPolicy` is the adapter
@@ -63,8 +67,8 @@ class PrefillPolicyConfig(BaseModel):
     """Scale down only if the remaining replicas' projected KV-cache usage stays at or below this."""
 
     max_ongoing_requests: int = Field(default=64, gt=0)
-    """Requests one replica takes at once (the deployment's own setting): with requests queued,
-    the fleet needs ``ceil(requests / max_ongoing_requests)`` replicas."""
+    """Requests one replica takes at once (the deployment's own setting): its seats, filled to
+    ``target_utilization`` at most before scaling up."""
 
     @model_validator(mode="after")
     def _bands(self) -> PrefillPolicyConfig:
@@ -88,6 +92,11 @@ class Decision:
 
 def _replicas_for(load_tokens_per_s: float, per_replica: float) -> int:
     return max(1, math.ceil(load_tokens_per_s / per_replica - 1e-9))
+
+
+def _seats_for(requests: float | None, per_replica: float) -> int:
+    """Replicas that hold ``requests`` at ``per_replica`` each (0 when Serve gave no count)."""
+    return math.ceil((requests or 0.0) / per_replica - 1e-9)
 
 
 def decide(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, requests: float | None = None,
@@ -116,16 +125,16 @@ def _by_load(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, r
 
     keep_up = _replicas_for(demand, cfg.target_utilization * mu)
     clear_backlog = _replicas_for(demand + backlog / budget, mu)
-    # Replicas enough to hold every request Serve counts, once some wait for a free replica.
-    hold_all = math.ceil((requests or 0.0) / cfg.max_ongoing_requests - 1e-9) if queued > 0 else 0
-    wanted = max(keep_up, clear_backlog, hold_all)
+    seats = _seats_for(requests, cfg.target_utilization * cfg.max_ongoing_requests)
+    wanted = max(keep_up, clear_backlog, seats)
     if kv >= cfg.kv_cache_high:
         wanted = max(wanted, current + 1)
     if wanted > current:
-        if wanted > max(keep_up, clear_backlog, hold_all):
+        if wanted > max(keep_up, clear_backlog, seats):
             why = f"KV cache {kv:.0%} full"
-        elif hold_all > max(keep_up, clear_backlog):
-            why = f"{queued:.0f} requests queued for a free replica"
+        elif seats > max(keep_up, clear_backlog):
+            why = f"{queued:.0f} requests queued for a free replica" if queued > 0 else \
+                f"{requests:.0f} requests over {cfg.target_utilization:.0%} of the replicas' seats"
         else:
             why = "backlog over the TTFT budget" if clear_backlog > keep_up else "arrival rate over capacity"
         return Decision(wanted, f"scale up to {wanted}: {why}", **figures)
@@ -133,7 +142,7 @@ def _by_load(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, r
         low = cfg.downscale_utilization * mu
         enough = max(_replicas_for(demand, low), _replicas_for(demand + backlog / budget, low))
         enough = max(enough, math.ceil(kv * current / cfg.kv_cache_low - 1e-9),
-                     math.ceil((requests or 0.0) / cfg.max_ongoing_requests - 1e-9), 1)
+                     _seats_for(requests, cfg.downscale_utilization * cfg.max_ongoing_requests), 1)
         if enough < current:
             return Decision(enough, f"scale down to {enough}: {enough} replicas meet the budget below "
                                     f"{cfg.downscale_utilization:.0%} load", **figures)

@@ -81,17 +81,26 @@ def test_no_flapping_across_a_load_sweep():
     assert history == [1, 1, 2, 2, 2, 2, 1, 1, 1]
 
 
-def test_requests_queued_for_a_free_replica_scale_up_whatever_the_tokens():
-    """A decode-bound fleet: few prompt tokens, KV under the guard, but every replica at
-    max_ongoing_requests and requests queued at the handles."""
+def test_requests_filling_the_seats_scale_up_whatever_the_tokens():
+    """A decode-bound fleet: few prompt tokens, KV under the guard, but the replicas' seats
+    (max_ongoing_requests, 16 here) filling up, then requests queued at the handles."""
     cfg = CFG.model_copy(update={"max_ongoing_requests": 16})
     busy = [load(rate=50, kv=0.5)] * 2
-    assert decide(busy, 2, cfg, requests=32, queued=0).replicas == 2  # full, nothing waits: holding
+    assert decide(busy, 2, cfg, requests=24, queued=0).replicas == 2  # 75% of 32 seats: holding
+    decision = decide(busy, 2, cfg, requests=32, queued=0)
+    assert decision.replicas == 3 and "over 80% of the replicas' seats" in decision.reason  # ceil(32 / 12.8)
     decision = decide(busy, 2, cfg, requests=40, queued=8)
-    assert decision.replicas == 3 and "8 requests queued" in decision.reason  # ceil(40 / 16)
+    assert decision.replicas == 4 and "8 requests queued" in decision.reason  # ceil(40 / 12.8)
     # Never down while requests wait, however light the tokens.
     assert decide([load(rate=1)] * 3, 3, cfg, requests=50, queued=2).replicas == 4
-    assert decide([load(rate=1)] * 3, 3, cfg, requests=20, queued=0).replicas == 2  # 20 need 2 of 16
+
+
+def test_scale_down_leaves_the_requests_half_the_seats():
+    """The request count's hysteresis: down only to replicas whose seats the requests fill to 50% at
+    most (scaling down to full seats made a decode-bound fleet queue and scale up again)."""
+    cfg = CFG.model_copy(update={"max_ongoing_requests": 16})
+    assert decide([load(rate=1)] * 3, 3, cfg, requests=20, queued=0).replicas == 3  # 2 replicas: 62%
+    assert decide([load(rate=1)] * 3, 3, cfg, requests=16, queued=0).replicas == 2  # 2 replicas: 50%
 
 
 def test_idle_asks_for_zero_and_serve_starts_one_for_a_request():
