@@ -172,12 +172,19 @@ class PrefillAutoscalingPolicy:
         loads = loads_from_metrics(ctx.aggregated_metrics, list(ctx.running_replicas))
         decision = decide(loads, ctx.current_num_replicas, self.config, ctx.total_num_requests,
                           ctx.total_queued_requests)
+        target, reason = decision.replicas, decision.reason
+        if ctx.current_num_replicas < target < ctx.target_num_replicas:
+            # Still short of the replicas already asked for: keep them coming. Serve stops starting
+            # replicas first when the target drops, so a wish that wavers while they start (the
+            # backlog's estimate moves) would throw away start-ups half paid and never catch up.
+            target = ctx.target_num_replicas
+            reason = f"{reason}; keeps the {target} asked for while {target - ctx.current_num_replicas} start"
         # Serve bounds the answer anyway; bounding it here too makes the log (and policy_state) say
         # what will happen, and a wish that keeps moving above max_replicas log nothing new.
-        target = min(max(decision.replicas, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
-        reason = decision.reason
-        if target != decision.replicas:
-            reason = f"{reason} (wants {decision.replicas}; bounds {ctx.capacity_adjusted_min_replicas}-" \
+        wish = target
+        target = min(max(target, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
+        if target != wish:
+            reason = f"{reason} (wants {wish}; bounds {ctx.capacity_adjusted_min_replicas}-" \
                      f"{ctx.capacity_adjusted_max_replicas} give {target})"
         state = dict(ctx.policy_state or {})
         # Log a change of target once, not every 0.1 s tick it persists.

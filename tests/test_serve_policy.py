@@ -128,15 +128,17 @@ def test_config_is_validated():
 
 
 def _context(metrics: dict[str, dict], replicas: list[ReplicaID], current: int, requests: float = 1.0,
-             queued: float = 0.0, min_replicas: int = 1, **config) -> AutoscalingContext:
+             queued: float = 0.0, min_replicas: int = 1, target: int | None = None, max_replicas: int = 3,
+             **config) -> AutoscalingContext:
     deployment = replicas[0].deployment_id
     config = {"upscale_delay_s": 0.0, "downscale_delay_s": 0.0, **config}
-    autoscaling = AutoscalingConfig(min_replicas=min_replicas, max_replicas=3, **config)
+    autoscaling = AutoscalingConfig(min_replicas=min_replicas, max_replicas=max_replicas, **config)
     return AutoscalingContext(
         deployment_id=deployment, deployment_name=deployment.name, app_name=deployment.app_name,
-        current_num_replicas=current, target_num_replicas=current, running_replicas=replicas,
-        total_num_requests=requests, total_queued_requests=queued, aggregated_metrics=metrics, raw_metrics=None,
-        capacity_adjusted_min_replicas=min_replicas, capacity_adjusted_max_replicas=3, policy_state={},
+        current_num_replicas=current, target_num_replicas=current if target is None else target,
+        running_replicas=replicas, total_num_requests=requests, total_queued_requests=queued,
+        aggregated_metrics=metrics, raw_metrics=None, capacity_adjusted_min_replicas=min_replicas,
+        capacity_adjusted_max_replicas=max_replicas, policy_state={},
         last_scale_up_time=None, last_scale_down_time=None, current_time=time.time(), config=autoscaling,
     )
 
@@ -168,3 +170,18 @@ def test_serves_wrapper_applies_its_delays():
     assert wrapped(_context(metrics, [r1], 1))[0] == 3
     # The same decision must hold for 30 s before Serve acts on it.
     assert wrapped(_context(metrics, [r1], 1, upscale_delay_s=30.0))[0] == 1
+
+
+def test_replicas_still_starting_are_kept_while_the_fleet_is_short():
+    """Two running, eight asked for: a wish of 4 (the backlog's estimate moved) keeps the eight coming;
+    a wish the running replicas meet lets the starting ones go."""
+    deployment = DeploymentID(name="model-x", app_name="swiftkv")
+    r1, r2 = (ReplicaID(f"r{i}", deployment) for i in (1, 2))
+    backlog = load(waiting=4000).to_metrics()  # 8000 tokens to clear in 2 s: 4 replicas at 1000 tok/s
+    metrics = {name: {r1: backlog[name], r2: backlog[name]} for name in backlog}
+    policy = PrefillAutoscalingPolicy(prefill_tokens_per_s=MU)
+    replicas, state = policy(_context(metrics, [r1, r2], 2, target=8, max_replicas=10))
+    assert replicas == 8 and "keeps the 8 asked for while 6 start" in state["last_reason"]
+    quiet = load(rate=100).to_metrics()
+    metrics = {name: {r1: quiet[name], r2: quiet[name]} for name in quiet}
+    assert policy(_context(metrics, [r1, r2], 2, target=8, max_replicas=10))[0] == 1
