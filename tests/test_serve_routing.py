@@ -26,7 +26,8 @@ def endpoint():
         "name": "routed", "model": "bundled", "env": CPU_ENV, "prefill_tokens_per_s": 300,
         "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096,
                           "enable_prefix_caching": False},
-        "graceful_shutdown_timeout_s": 10,
+        # A 3,500-token prefill takes seconds on two busy cores: the health probe's token waits behind it.
+        "graceful_shutdown_timeout_s": 10, "health_probe_timeout_s": 60,
         "autoscaling": {"min_replicas": 2, "max_replicas": 2}, "routing": {"stats_period_s": 0.5},
     }]}
     with local_serve(config) as endpoint:
@@ -49,10 +50,10 @@ def _start_stream(client, model: str, ids: list[int], max_tokens: int):
 def test_router_prefers_the_idle_replica_over_one_with_a_long_prompt_queued(client):
     with ThreadPoolExecutor(4) as pool:
         long = pool.submit(_start_stream, client, "routed", prompt(3500, seed=1), 2)
-        time.sleep(1.0)  # routed long since; its prefill takes several seconds on CPU
+        time.sleep(0.5)  # routed long since; its prefill takes seconds on CPU
         # Two short requests with long outputs: they go to the other replica and keep it busy decoding.
         busy = [pool.submit(_start_stream, client, "routed", prompt(16, seed=2 + i), 48) for i in range(2)]
-        time.sleep(1.0)
+        time.sleep(0.5)
         # Serve's power-of-two router would now pick the long prompt's replica (1 request in flight
         # against 2); the prefill-aware router sees 3,500 tokens waiting there and picks the other.
         sent = time.monotonic()
@@ -131,7 +132,7 @@ def _replica_pids(deployment: str) -> list[int]:
 
 def test_killed_replica_is_replaced_while_the_other_keeps_answering(client):
     deployment = deployment_name("routed")
-    assert replica_states(deployment).get("RUNNING") == 2
+    wait_for(lambda: replica_states(deployment).get("RUNNING") == 2, 180, "both replicas running")
     outcomes: list[tuple[float, str]] = []  # (finish time, "ok" or the HTTP status of the refusal)
     lock = threading.Lock()
 
