@@ -49,6 +49,12 @@ class PrefillRouterConfig(BaseModel):
     then vLLM's parsing: the engine counts a prompt only once its handler starts generating). The
     router keeps counting the prompt until figures taken this much later than the send."""
 
+    tie_s: float = Field(default=0.05, ge=0)
+    """Estimates within this many seconds of the best count as equal to it: among them the replica
+    with the emptier KV cache, then the fewer requests, ranks first (ranking on prefill alone sent
+    every request to the first of the replicas with nothing waiting, which then held all the
+    decoding and preempted)."""
+
     sent_memory_s: float = Field(default=30.0, gt=0)
     """Forget tokens this router sent a replica after this long even if no newer figures came."""
 
@@ -110,8 +116,17 @@ class PrefillRouterCore:
         """Replica ids, best first."""
         now = self.clock()
         cached = self._cached_blocks(hint)
-        estimates = sorted((self.estimate(r, load, hint, now, cached.get(r, 0)) for r, load in replicas),
-                           key=lambda e: e.ttft_s)
+        loads = dict(replicas)
+        estimates = [self.estimate(r, load, hint, now, cached.get(r, 0)) for r, load in replicas]
+        tied = min((e.ttft_s for e in estimates), default=0.0) + self.config.tie_s
+
+        def order(e: Estimate) -> tuple[int, float, float, float]:
+            if e.ttft_s > tied:
+                return 1, e.ttft_s, 0.0, 0.0
+            load = loads[e.replica]
+            return 0, load.kv_cache_usage, load.running_requests + load.waiting_requests, e.ttft_s
+
+        estimates.sort(key=order)
         holders = [e for e in estimates if e.cached_blocks > 0]
         if holders:
             holder = max(holders, key=lambda e: e.cached_blocks)  # sorted: ties go to the faster one

@@ -218,6 +218,16 @@ def test_the_router_keeps_a_prefix_where_it_is_cached():
     assert len(set(_placement(result))) == 1 and all(r.uncached_tokens <= 500 for r in result.requests[1:])
 
 
+def test_the_router_spreads_decoding_requests_when_no_prefill_waits():
+    """Short prompts, long replies: no replica has prefill waiting when a request comes, so the prefill
+    estimates tie; the emptier replica wins the tie and the requests spread (ranked on prefill alone,
+    most went to one replica)."""
+    requests = [TraceRequest(2.0 * i, 100, 500, blocks(10 * i, 1)) for i in range(24)]
+    result = run(requests, {"static_replicas": 4, "routing": {"router": "prefill"}})
+    placed = [_placement(result).count(n) for n in range(4)]
+    assert max(placed) <= 7, placed
+
+
 def test_serves_power_of_two_router_is_the_baseline(monkeypatch):
     from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 

@@ -87,7 +87,7 @@ def test_a_run_made_by_other_code_is_computed_again(tmp_path):
 def _summary(hours: float, goodput: float, attainment: float) -> dict:
     return {"replica_hours": hours, "goodput_per_replica_hour": goodput, "feasible_slo_attainment": attainment,
             "slo_attainment": attainment, "stopped_early": False, "peak_replicas": 4, "scale_events": 0,
-            "scale_events_per_hour": 0.0, "uncached_prompt_share": 1.0,
+            "scale_events_per_hour": 0.0, "uncached_prompt_share": 1.0, "preemptions": 0,
             "ttft_s": {"p50": 0.1, "p90": 0.5, "p99": 1.0}}
 
 

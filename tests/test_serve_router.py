@@ -42,6 +42,22 @@ def test_idle_replica_beats_one_with_a_long_prompt_queued(core):
     assert router.rank([("busy", waiting(8000)), ("idle", waiting(0))], ids_prompt(50)) == ["idle", "busy"]
 
 
+def test_equal_estimates_go_to_the_emptier_replica(core):
+    """Nothing waits anywhere: the replica with the emptier KV cache, then fewer requests, ranks first
+    (on prefill alone the same replica won every tie and collected every decoding request)."""
+    router, _ = core
+    full = ReplicaLoad(kv_cache_usage=0.8, running_requests=30, prefill_capacity=1000.0, timestamp=1000.0)
+    empty = ReplicaLoad(kv_cache_usage=0.1, running_requests=30, prefill_capacity=1000.0, timestamp=1000.0)
+    fewer = ReplicaLoad(kv_cache_usage=0.1, running_requests=3, prefill_capacity=1000.0, timestamp=1000.0)
+    assert router.rank([("full", full), ("empty", empty), ("fewer", fewer)], ids_prompt(50)) == \
+        ["fewer", "empty", "full"]
+    # 40 ms more prefill waiting is within the tie (50 ms): the emptier cache wins; 60 ms is not.
+    for tokens, first in ((40, "emptier"), (60, "full")):
+        emptier = ReplicaLoad(prompt_tokens_waiting=tokens, kv_cache_usage=0.1, prefill_capacity=1000.0,
+                              timestamp=1000.0)
+        assert router.rank([("full", full), ("emptier", emptier)], ids_prompt(50))[0] == first
+
+
 def test_estimate_is_seconds_at_each_replicas_own_rate(core):
     router, _ = core
     # 3000 tokens at 6000 tok/s (0.5 s) beats 1000 tokens at 1000 tok/s (1 s).

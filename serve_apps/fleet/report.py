@@ -146,8 +146,8 @@ def format_report(cfg: ReportConfig, runs: dict[str, dict[str, Any]], checks: li
     lines = [f"# Fleet report: TTFT SLO {slo:g} s for {attainment:.0%} of the feasible requests", "",
              "| variant | fleet | router | meets SLO | replica-hours | goodput / replica-hour | "
              "SLO attainment (feasible / all) | TTFT p50 / p90 / p99 (s) | scale events (/h) | peak replicas | "
-             "uncached prompt share |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "uncached prompt share | preemptions |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, run in runs.items():
         variant, policy, router = key.split("/")
         s, t = run["summary"], run["summary"]["ttft_s"]
@@ -156,7 +156,7 @@ def format_report(cfg: ReportConfig, runs: dict[str, dict[str, Any]], checks: li
                      f"{s['goodput_per_replica_hour']:,.0f} | {s['feasible_slo_attainment']:.2%} / "
                      f"{s['slo_attainment']:.2%} | {_ms(t['p50'])} / {_ms(t['p90'])} / {_ms(t['p99'])} | "
                      f"{s['scale_events']} ({s['scale_events_per_hour']:.1f}) | {s['peak_replicas']} | "
-                     f"{s['uncached_prompt_share']:.2f} |")
+                     f"{s['uncached_prompt_share']:.2f} | {s['preemptions']:,} |")
     lines += [f"\nThe static fleet for {k} is given ({n} replicas, `static_fleets`), not the smallest found by "
               "the search." for k, n in cfg.static_fleets.items()]
     searched = {k: r["search"] for k, r in runs.items() if "search" in r}
