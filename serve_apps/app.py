@@ -43,6 +43,7 @@ def autoscaling_config(options: ModelOptions) -> dict[str, Any]:
     if scaling.policy == "requests":
         config["target_ongoing_requests"] = scaling.target_ongoing_requests
     else:
+        config["downscaling_factor"] = scaling.downscaling_factor
         config["policy"] = {
             "policy_function": "serve_apps.policy:PrefillAutoscalingPolicy",
             "policy_kwargs": {

@@ -53,10 +53,15 @@ class AutoscalingOptions(StrictConfig):
     """``prefill``: scale down only to a count that runs below this share (hysteresis)."""
 
     kv_cache_high: float = Field(default=0.9, gt=0, le=1)
-    """``prefill``: add a replica when mean KV-cache usage reaches this."""
+    """``prefill``: add a replica when mean KV-cache usage reaches this or any replica preempts."""
 
     kv_cache_low: float = Field(default=0.6, gt=0, le=1)
     """``prefill``: scale down only if the projected KV-cache usage stays at or below this."""
+
+    downscaling_factor: float = Field(default=0.5, gt=0, le=1)
+    """``prefill``: Serve's ``downscaling_factor``: a scale-down goes this share of the way to the
+    policy's count (one replica at least). Requests admitted in a burst hold little KV at first and
+    grow as they decode, so the count a scale-down sees right after a burst is too low."""
 
     target_ongoing_requests: float = Field(default=2.0, gt=0)
     """``requests``: ongoing requests per replica Serve aims for."""
@@ -64,8 +69,11 @@ class AutoscalingOptions(StrictConfig):
     upscale_delay_s: float = Field(default=1.0, ge=0)
     """A scale-up decision must hold this long before Serve acts on it."""
 
-    downscale_delay_s: float = Field(default=20.0, ge=0)
-    """A scale-down decision must hold this long before Serve acts on it."""
+    downscale_delay_s: float = Field(default=60.0, ge=0)
+    """A scale-down decision must hold this long before Serve acts on it: longer than a typical
+    reply takes, so that the KV cache of requests admitted in a burst has grown before the count is
+    trusted (with 20 s a fleet serving 2K-token replies scaled down into preemptions and missed its
+    SLO)."""
 
     look_back_period_s: float = Field(default=3.0, gt=0)
     """Serve averages the replicas' published figures over this window."""

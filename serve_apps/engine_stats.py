@@ -34,6 +34,8 @@ class LoadStatLogger(StatLoggerBase):
             prompt = iteration_stats.prompt_token_stats  # prefills that finished in this step
             if prompt.total:
                 self.tracker.on_prefill_done(prompt.total, prompt.computed)
+            if iteration_stats.num_preempted_reqs:
+                self.tracker.on_preempted(iteration_stats.num_preempted_reqs)
             if iteration_stats.time_to_first_tokens_iter:
                 self.tracker.on_first_tokens(time.time(), list(iteration_stats.time_to_first_tokens_iter))
         if scheduler_stats is not None:

@@ -42,6 +42,10 @@ class ReplicaLoad:
     kv_cache_usage: float = 0.0
     """Fraction of KV-cache blocks in use (0..1)."""
 
+    preemptions_per_s: float = 0.0
+    """Running requests the scheduler preempted per second over the window (vLLM's own count):
+    the KV cache is full now, whatever its usage reads once the preempted requests' blocks are freed."""
+
     ttft_p90_s: float = 0.0
     """90th percentile time to first token of requests that got one in the window (0 if none)."""
 
@@ -86,11 +90,13 @@ class LoadTracker:
         self.window_s = window_s
         self.prefilled_tokens = 0  # cumulative prompt tokens whose prefill finished
         self.computed_tokens = 0  # ... of which were computed, not prefix-cache hits
+        self.preempted = 0  # cumulative running requests preempted
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
         self._ttfts: deque[tuple[float, float]] = deque()
-        self._samples: deque[tuple[float, int, int, float]] = deque()  # (t, prefilled, computed, waiting)
+        # (t, prefilled, computed, waiting, preempted)
+        self._samples: deque[tuple[float, int, int, float, int]] = deque()
 
     def on_prefill_done(self, prompt_tokens: int, computed_tokens: int) -> None:
         self.prefilled_tokens += prompt_tokens
@@ -99,17 +105,21 @@ class LoadTracker:
     def on_first_tokens(self, now: float, ttfts: list[float]) -> None:
         self._ttfts.extend((now, t) for t in ttfts)
 
+    def on_preempted(self, requests: int) -> None:
+        self.preempted += requests
+
     def on_scheduler(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
 
     def snapshot(self, now: float, prompt_tokens_waiting: float) -> ReplicaLoad:
         """The figures at ``now`` given the engine's current waiting prompt tokens."""
-        self._samples.append((now, self.prefilled_tokens, self.computed_tokens, prompt_tokens_waiting))
+        self._samples.append((now, self.prefilled_tokens, self.computed_tokens, prompt_tokens_waiting,
+                              self.preempted))
         while len(self._samples) > 1 and self._samples[1][0] <= now - self.window_s:
             self._samples.popleft()
         while self._ttfts and self._ttfts[0][0] < now - self.window_s:
             self._ttfts.popleft()
-        t0, prefilled0, computed0, waiting0 = self._samples[0]
+        t0, prefilled0, computed0, waiting0, preempted0 = self._samples[0]
         span = now - t0
         prefilled = self.prefilled_tokens - prefilled0
         computed = self.computed_tokens - computed0
@@ -122,6 +132,7 @@ class LoadTracker:
             running_requests=float(self.running),
             waiting_requests=float(self.waiting),
             kv_cache_usage=self.kv_cache_usage,
+            preemptions_per_s=(self.preempted - preempted0) / span if span > 0 else 0.0,
             ttft_p90_s=percentile([t for _, t in self._ttfts], 90) if self._ttfts else 0.0,
             prefill_capacity=self.prefill_capacity,
             timestamp=now,

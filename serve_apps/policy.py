@@ -21,6 +21,10 @@ scale down again). No request at all over the look-back window asks for zero rep
 bounds by ``min_replicas`` (Serve's own cold start brings the first replica back when a request
 arrives).
 
+The KV cache guard reads vLLM's preemptions as well as the mean usage: on long replies one replica
+fills and preempts (recomputing the preempted request's prompt later) while the mean still reads
+well under ``kv_cache_high``, and a preempted request's freed blocks make the usage read lower still.
+
 :func:`decide` is a pure function of the replicas' :class:`~serve_apps.load.ReplicaLoad` figures,
 so the fleet simulator calls the very same code; :class:`PrefillAutoscalingPolicy` is the adapter
 Serve builds on its controller (``autoscaling_config.policy.policy_function``), with
@@ -61,7 +65,8 @@ class PrefillPolicyConfig(BaseModel):
     ``target_utilization``: the gap is the hysteresis band)."""
 
     kv_cache_high: float = Field(default=0.9, gt=0, le=1)
-    """Add a replica when the replicas' mean KV-cache usage reaches this (decode memory pressure)."""
+    """Add a replica when the replicas' mean KV-cache usage reaches this or any replica preempted a
+    request over the window (decode memory pressure); never scale down meanwhile."""
 
     kv_cache_low: float = Field(default=0.6, gt=0, le=1)
     """Scale down only if the remaining replicas' projected KV-cache usage stays at or below this."""
@@ -121,17 +126,22 @@ def _by_load(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, r
     demand = sum(load.prompt_tokens_per_s * load.uncached_fraction for load in loads)
     backlog = sum(load.uncached_tokens_waiting for load in loads)
     kv = sum(load.kv_cache_usage for load in loads) / len(loads)
+    kv_used = kv * current  # in replicas' worth of KV cache (a replica yet to publish at the mean)
+    preemptions = sum(load.preemptions_per_s for load in loads)
     figures = {"demand_tokens_per_s": demand, "backlog_tokens": backlog, "kv_cache_usage": kv}
 
     keep_up = _replicas_for(demand, cfg.target_utilization * mu)
     clear_backlog = _replicas_for(demand + backlog / budget, mu)
     seats = _seats_for(requests, cfg.target_utilization * cfg.max_ongoing_requests)
     wanted = max(keep_up, clear_backlog, seats)
-    if kv >= cfg.kv_cache_high:
-        wanted = max(wanted, current + 1)
+    # KV: the mean usage lags (a preempted request's blocks are freed, and one replica fills while
+    # the mean looks fine), so a preemption anywhere in the window is the cache being full.
+    kv_short = kv >= cfg.kv_cache_high or preemptions > 0
+    if kv_short:
+        wanted = max(wanted, current + 1, _replicas_for(kv_used, cfg.kv_cache_high))
     if wanted > current:
         if wanted > max(keep_up, clear_backlog, seats):
-            why = f"KV cache {kv:.0%} full"
+            why = f"vLLM preempting {preemptions:.1f} requests/s" if preemptions > 0 else f"KV cache {kv:.0%} full"
         elif seats > max(keep_up, clear_backlog):
             why = f"{queued:.0f} requests queued for a free replica" if queued > 0 else \
                 f"{requests:.0f} requests over {cfg.target_utilization:.0%} of the replicas' seats"
@@ -141,7 +151,7 @@ def _by_load(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, r
     if current > 1 and queued == 0:
         low = cfg.downscale_utilization * mu
         enough = max(_replicas_for(demand, low), _replicas_for(demand + backlog / budget, low))
-        enough = max(enough, math.ceil(kv * current / cfg.kv_cache_low - 1e-9),
+        enough = max(enough, math.ceil(kv_used / cfg.kv_cache_low - 1e-9),
                      _seats_for(requests, cfg.downscale_utilization * cfg.max_ongoing_requests), 1)
         if enough < current:
             return Decision(enough, f"scale down to {enough}: {enough} replicas meet the budget below "

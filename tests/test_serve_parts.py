@@ -82,6 +82,9 @@ def test_load_tracker_rates_over_its_window():
     assert load.ttft_p90_s == 1.6 and load.prefill_capacity == 2000.0
     later = tracker.snapshot(110.0, 0.0)  # the window moved past the first samples and the TTFTs
     assert later.ttft_p90_s == 0.0 and later.uncached_prompt_tokens_per_s == 0.0
+    tracker.on_preempted(3)  # vLLM's preemptions, a rate over the window like the tokens
+    assert tracker.snapshot(112.0, 0.0).preemptions_per_s == pytest.approx(0.3)  # 3 over 102..112 s
+    assert tracker.snapshot(120.0, 0.0).preemptions_per_s == 0.0
 
 
 def test_replica_load_round_trips_through_serve_metrics():
@@ -133,6 +136,7 @@ def test_builder_maps_the_config_onto_serve_options():
     assert scaling["policy"]["policy_function"] == "serve_apps.policy:PrefillAutoscalingPolicy"
     assert scaling["policy"]["policy_kwargs"]["prefill_tokens_per_s"] == 1500
     assert scaling["max_replicas"] == 3 and scaling["metrics_interval_s"] == 1.0
+    assert (scaling["downscale_delay_s"], scaling["downscaling_factor"]) == (60.0, 0.5)
     assert "policy" not in autoscaling_config(requests) and autoscaling_config(requests)["target_ongoing_requests"] == 4
     assert request_router_config(prefill)["request_router_class"] == "serve_apps.router:PrefillAwareRouter"
     assert "request_router_class" not in request_router_config(requests)  # Serve's power-of-two default

@@ -19,9 +19,11 @@ CFG = PrefillPolicyConfig(prefill_tokens_per_s=MU, ttft_budget_s=2.0, target_uti
                           downscale_utilization=0.5, kv_cache_high=0.9, kv_cache_low=0.6)
 
 
-def load(rate: float = 0.0, waiting: float = 0.0, kv: float = 0.0, uncached: float = 1.0) -> ReplicaLoad:
+def load(rate: float = 0.0, waiting: float = 0.0, kv: float = 0.0, uncached: float = 1.0,
+         preemptions: float = 0.0) -> ReplicaLoad:
     return ReplicaLoad(prompt_tokens_per_s=rate, prompt_tokens_waiting=waiting, kv_cache_usage=kv,
-                       uncached_fraction=uncached, prefill_capacity=MU, timestamp=time.time())
+                       uncached_fraction=uncached, preemptions_per_s=preemptions, prefill_capacity=MU,
+                       timestamp=time.time())
 
 
 def test_no_figures_yet_holds():
@@ -50,6 +52,19 @@ def test_prefix_cache_hits_do_not_count_as_work():
 def test_kv_cache_pressure_adds_a_replica():
     decision = decide([load(rate=100, kv=0.95)], 2 - 1, CFG)
     assert decision.replicas == 2 and "KV cache" in decision.reason
+
+
+def test_preemptions_add_a_replica_and_forbid_scale_down():
+    # One replica of three fills and preempts while the mean reads 50%: the cache is full there.
+    loads = [load(rate=10, kv=0.98, preemptions=0.4), load(rate=10, kv=0.3), load(rate=10, kv=0.2)]
+    decision = decide(loads, 3, CFG)
+    assert decision.replicas == 4 and "preempting" in decision.reason
+    # The same fleet without the preemptions would scale down (survivors' KV 1.48 / 2 < 0.6 fails,
+    # so to the three it holds); a far emptier fleet with one preemption still may not shrink.
+    assert decide([load(rate=10, kv=0.98), load(rate=10, kv=0.3), load(rate=10, kv=0.2)], 3, CFG).replicas == 3
+    quiet = [load(rate=10, kv=0.1, preemptions=0.2), load(rate=10, kv=0.1), load(rate=10, kv=0.1)]
+    assert decide(quiet, 3, CFG).replicas == 4
+    assert decide([load(rate=10, kv=0.1)] * 3, 3, CFG).replicas == 1
 
 
 def test_hysteresis_band_holds():
@@ -170,6 +185,11 @@ def test_serves_wrapper_applies_its_delays():
     assert wrapped(_context(metrics, [r1], 1))[0] == 3
     # The same decision must hold for 30 s before Serve acts on it.
     assert wrapped(_context(metrics, [r1], 1, upscale_delay_s=30.0))[0] == 1
+    # Scale-downs go half way with Serve's downscaling_factor: 8 quiet replicas asking for 1 get 5.
+    replicas = [ReplicaID(f"r{i}", deployment) for i in range(8)]
+    quiet = {name: dict.fromkeys(replicas, value) for name, value in load(rate=10).to_metrics().items()}
+    assert wrapped(_context(quiet, replicas, 8, requests=8.0, max_replicas=8))[0] == 1
+    assert wrapped(_context(quiet, replicas, 8, requests=8.0, max_replicas=8, downscaling_factor=0.5))[0] == 5
 
 
 def test_replicas_still_starting_are_kept_while_the_fleet_is_short():

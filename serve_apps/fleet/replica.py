@@ -269,6 +269,7 @@ class Replica:
             self.context_tokens -= request.input_tokens + produced
             request.produced = produced
         request.preemptions += 1
+        self.tracker.on_preempted(1)
         self._unpin(request)
         self.waiting.appendleft(request)
 
