@@ -488,6 +488,58 @@ def test_a_saved_validation_is_simulated_again_by_hand(tmp_path, capsys):
     assert "has no front_end, shared_host_slowdown" in capsys.readouterr().err
 
 
+def test_replica_counts_say_when_a_fleet_grew_shrank_and_how_long_a_start_took():
+    from serve_apps.fleet.replica_watch import ReplicaSample, replica_figures, startup_times
+
+    samples = [ReplicaSample(0, 1, 0), ReplicaSample(3, 1, 1), ReplicaSample(4, 1, 2), ReplicaSample(9, 2, 1),
+               ReplicaSample(12, 3, 0), ReplicaSample(20, 1, 0)]
+    assert startup_times(samples) == [6.0, 8.0]  # asked at 3 and 4, serving at 9 and 12
+    # 1 replica for 7 s, 2 for 31 s, then 1 until the 58 s horizon: 89 replica-seconds.
+    assert replica_figures([(0.0, 1), (7.0, 2), (38.0, 1), (70.0, 1)], 58.0) == {
+        "replica_seconds": 89.0, "peak": 2, "peak_at_s": 7.0, "back_down_at_s": 38.0}
+    assert replica_figures([(0.0, 1)], 10.0)["back_down_at_s"] is None
+
+
+def test_an_autoscaled_validation_compares_replicas_over_time_by_hand(tmp_path):
+    """A saved validation of an autoscaled deployment simulated again: a burst the simulated fleet
+    meets by growing 1 -> 2 (5 s start-ups, as measured on the endpoint) and shrinking back, against
+    Serve's hand-made counts for one pass (1 replica, 2 from 7 s, 1 again from 38 s: 89 replica-seconds
+    over the pass's 58 s)."""
+    from serve_apps.fleet.profile import profile_json
+    from serve_apps.fleet.validate import ValidateConfig, format_validation, resimulate
+
+    burst = [TraceRequest(0.1 * i, 2000, 1, blocks(100 * i, 4)) for i in range(15)]
+    write_trace(Trace(tuple(burst), 512), tmp_path / "slice.jsonl")
+    (tmp_path / "profile.json").write_text(profile_json(Profile(models={"m": figures(budget=500)})))
+    scaling = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0.0, "downscale_delay_s": 3.0,
+               "look_back_period_s": 1.0, "metrics_interval_s": 0.5}
+    cfg = ValidateConfig(traffic=TrafficConfig(trace=str(tmp_path / "slice.jsonl")), measure=None, model="m",
+                         autoscaling=scaling, arrival_orders=0, scale_down_timeout_s=120)
+    records = [{"sent_s": r.arrival_s, "ttft_s": 1.0, "latency_s": 1.1, "output_tokens": 1, "error": "",
+                "pass": 0, "pass_start_s": 12.0} for r in burst]
+    # The watch began 10 s after the host record, so the pass starts at 2 s on the watch's clock.
+    samples = [[0, 1, 0], [2, 1, 0], [3, 1, 1], [9, 2, 0], [40, 1, 0], [60, 1, 0]]
+    saved = {"config": cfg.model_dump(mode="json"), "requests": len(burst), "per_request": records,
+             "front_end": {"ingress_s": 0.0, "ingress_latency_s": 0.0}, "shared_host_slowdown": 1.0,
+             "replicas": {"samples": samples, "watch_started": 100.0, "host_started": 90.0, "startup_s": 5.0,
+                          "startup_times_s": [6.0]}}
+    (tmp_path / "validation.json").write_text(json.dumps(saved))
+    result = resimulate(str(tmp_path))
+    [row] = result["replicas"]["passes"]
+    assert row["horizon_s"] == 58.0
+    assert row["measured"] == {"replica_seconds": 89.0, "peak": 2, "peak_at_s": 7.0, "back_down_at_s": 38.0}
+    sim = row["simulated"]
+    assert sim["peak"] == 2 and sim["peak_at_s"] >= 5.0  # no second replica before its start-up
+    assert sim["back_down_at_s"] is not None and sim["back_down_at_s"] > sim["peak_at_s"]
+    assert row["replica_seconds_ratio"] == pytest.approx(sim["replica_seconds"] / 89.0)
+    assert result["replicas"]["startup_s"] == 5.0
+    text = format_validation(result)
+    assert "replica-seconds measured / simulated" in text and "| 1 | 89 / " in text
+    assert "replica start-up measured: 6 s (simulated with 5 s)" in text
+    with pytest.raises(ValueError, match="min_replicas must be at least 1"):
+        ValidateConfig(traffic=cfg.traffic, measure=None, model="m", autoscaling={"min_replicas": 0})
+
+
 def test_the_cli_names_a_bad_config_key(tmp_path, capsys):
     from swiftkv.cli import main
 

@@ -136,6 +136,10 @@ class FleetSettings(StrictConfig):
     tail_limit_s: float = Field(default=1800.0, gt=0)
     """Requests not finished this long after the last arrival count as failed."""
 
+    idle_tail_s: float = Field(default=0.0, ge=0)
+    """Go on simulating this long after the last request finished (its replicas counted meanwhile),
+    so that an autoscaled fleet's scale-down afterwards is followed (the validation compares it)."""
+
     seed: int = 0
     """Seed of the power-of-two router's random choices."""
 

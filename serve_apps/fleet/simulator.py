@@ -91,6 +91,7 @@ class Simulation:
         self.scale_events: list[tuple[float, int, int]] = []
         self.timeline: list[dict[str, float]] = []
         self.finished = 0
+        self.all_finished_s: float | None = None  # when the last request finished
         self.target = cfg.static_replicas or cfg.autoscaling.initial_replicas or cfg.autoscaling.min_replicas
         self.initial_replicas = self.target
         self.last_arrival = self.requests[-1].arrival_s if self.requests else 0.0
@@ -208,7 +209,10 @@ class Simulation:
 
     # -- the loop -------------------------------------------------------------------------------
     def done(self) -> bool:
-        return (self.finished == len(self.requests) or self.now > self.last_arrival + self.cfg.tail_limit_s
+        if self.finished == len(self.requests) and self.all_finished_s is None:
+            self.all_finished_s = self.now
+        idle_for = self.now - self.all_finished_s if self.all_finished_s is not None else -1.0
+        return (idle_for >= self.cfg.idle_tail_s or self.now > self.last_arrival + self.cfg.tail_limit_s
                 or self.stopped_early)
 
     @property

@@ -1,6 +1,7 @@
 """``swiftkv fleet validate``: the simulator against the real thing. The same trace slice is replayed
-against a real ``swiftkv serve`` endpoint (fixed replicas, started here and stopped afterwards) and
-through the simulator; TTFT p50/p90 and throughput are compared.
+against a real ``swiftkv serve`` endpoint (fixed replicas, or autoscaled ones; started here and
+stopped afterwards) and through the simulator; TTFT p50/p90 and throughput are compared, and for an
+autoscaled fleet its replicas over time (Serve's own counts against the simulated ones).
 
 What the simulator runs on is measured on this machine in the same command, just before the replay
 (``measure``): the engine profile (``swiftkv calibrate``, the replicas side by side), the
@@ -20,19 +21,21 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import fsspec
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from serve_apps.config import AutoscalingOptions
 from serve_apps.fleet.config import FleetConfig, FleetSettings, ServeCalibration, TrafficConfig, ValidateMeasurement
 from serve_apps.fleet.front_end import measure_front_end
 from serve_apps.fleet.host_load import HostLoad
 from serve_apps.fleet.plots import validation_png
 from serve_apps.fleet.profile import Profile, ReplicaCosts, load_profile, profile_json
 from serve_apps.fleet.replay import PASS_SALT, PROMPT_VOCAB, WARMUP_SALT, Burst, replay
+from serve_apps.fleet.replica_watch import ReplicaWatch, replica_figures, startup_times
 from serve_apps.fleet.results import summarize
 from serve_apps.fleet.simulator import RunResult, simulate
 from serve_apps.fleet.trace import Trace, shuffle_simultaneous, window
@@ -63,7 +66,17 @@ class ValidateConfig(StrictConfig):
     """The Serve config ``swiftkv serve`` runs (its first model is the one replayed against)."""
 
     replicas: int = Field(default=2, gt=0)
-    """Replicas of the served model, fixed, in both."""
+    """Replicas of the served model, fixed, in both (unless ``autoscaling``)."""
+
+    autoscaling: AutoscalingOptions | None = None
+    """Validate an autoscaled deployment instead: the real deployment and the simulated fleet run these
+    options, every pass starting at ``min_replicas`` (the command waits for the real one to come back
+    there), and the simulated replicas take the start-up time measured on the real ones in this run
+    (Serve's replica asked for to serving; the profile's if none started)."""
+
+    scale_down_timeout_s: float = Field(default=600.0, gt=0)
+    """With ``autoscaling``: the most to wait for the real deployment to come back to
+    ``min_replicas`` before each pass and after the last (the scale-down is compared too)."""
 
     fleet: FleetSettings = FleetSettings()
     """The simulated fleet's settings; its routing and ``max_ongoing_requests`` are also given to the
@@ -105,7 +118,20 @@ class ValidateConfig(StrictConfig):
     """``swiftkv serve`` must be ready within this."""
 
     tolerance: float = Field(default=0.15, gt=0)
-    """The target: simulated within this share of measured."""
+    """The target for TTFT p50 and throughput: simulated within this share of measured."""
+
+    tolerance_p90: float = Field(default=0.25, gt=0)
+    """The target for TTFT p90 (a tail figure: one pass's moved by 50% within a run here)."""
+
+    replica_seconds_tolerance: float = Field(default=0.25, gt=0)
+    """With ``autoscaling``: the simulated replica-seconds of each pass within this share of Serve's."""
+
+    @model_validator(mode="after")
+    def _from_one(self) -> ValidateConfig:
+        if self.autoscaling is not None and self.autoscaling.min_replicas < 1:
+            raise ValueError("autoscaling.min_replicas must be at least 1 here (a validation replays against a "
+                             "warm replica; Serve's cold start from zero is not what is compared)")
+        return self
 
     out: str = "artifacts/fleet/validate"
     """Folder (or fsspec URI) for ``validation.json``."""
@@ -120,15 +146,37 @@ def served_name(cfg: ValidateConfig) -> str:
     return apps[0]["args"]["models"][0]["name"]
 
 
+def served_deployment(cfg: ValidateConfig) -> tuple[str, str]:
+    """(Serve application, deployment) of the replayed model."""
+    from serve_apps.app import deployment_name
+
+    apps = read_yaml_mapping(cfg.serve_config).get("applications") or [{}]
+    return apps[0].get("name", "swiftkv"), deployment_name(served_name(cfg))
+
+
+def validation_fleet(cfg: ValidateConfig, **measured: float) -> FleetConfig:
+    """The simulated fleet: the validation's settings with what was measured here (front end,
+    slowdown, start-up), static at ``replicas`` or autoscaled as ``autoscaling`` (followed at 1 s
+    resolution past the last answer, as the real one is watched until it has scaled down)."""
+    settings = {**cfg.fleet.model_dump(), **measured}
+    if cfg.autoscaling is None:
+        return FleetConfig(**settings, model=cfg.model, static_replicas=cfg.replicas)
+    settings.update(autoscaling=cfg.autoscaling.model_dump(), timeline_period_s=1.0,
+                    idle_tail_s=cfg.scale_down_timeout_s)
+    return FleetConfig(**settings, model=cfg.model)
+
+
 @contextmanager
 def serving(cfg: ValidateConfig, prefill_tokens_per_s: float):
     """``swiftkv serve`` in a subprocess until the block ends (then SIGTERM: it drains and stops)."""
     routing = cfg.fleet.routing
+    scaling = cfg.autoscaling.model_dump(exclude_none=True) if cfg.autoscaling else \
+        {"min_replicas": cfg.replicas, "max_replicas": cfg.replicas}
     sets = {"models.0.prefill_tokens_per_s": prefill_tokens_per_s, "models.0.max_ongoing_requests":
-            cfg.fleet.max_ongoing_requests, "models.0.autoscaling.min_replicas": cfg.replicas,
-            "models.0.autoscaling.max_replicas": cfg.replicas, "models.0.routing.router": routing.router,
+            cfg.fleet.max_ongoing_requests, "models.0.routing.router": routing.router,
             "models.0.routing.prefix_margin_s": routing.prefix_margin_s,
-            "models.0.routing.stats_period_s": routing.stats_period_s}
+            "models.0.routing.stats_period_s": routing.stats_period_s,
+            **{f"models.0.autoscaling.{k}": v for k, v in scaling.items()}}
     command = [str(Path(sys.executable).parent / "swiftkv"), "serve", "--config", cfg.serve_config,
                "--port", str(cfg.port), "--metrics-port", str(cfg.metrics_port),
                *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))]
@@ -255,30 +303,65 @@ def _pass_line(figures: dict[str, Any]) -> str:
         f"{figures['failed']} failed"
 
 
-def replay_passes(url: str, model: str, trace: Trace, cfg: ValidateConfig,
-                  host: HostLoad) -> list[list[dict[str, Any]]]:
+def replay_passes(url: str, model: str, trace: Trace, cfg: ValidateConfig, host: HostLoad,
+                  watch: ReplicaWatch | None = None) -> list[list[dict[str, Any]]]:
     """The slice replayed ``cfg.replays`` times, ``cfg.replay_pause_s`` apart, pass k with its token ids
     salted by k (pass 0: the trace's own). Each record also has its ``pass`` and ``pass_start_s`` (its
-    pass's start in seconds from ``host``'s, where the figure places it)."""
+    pass's start in seconds from ``host``'s, where the figure places it). With ``watch`` (an autoscaled
+    deployment) every pass starts, and the last ends, with the deployment back at ``min_replicas``."""
     passes = []
     for k in range(cfg.replays):
         if k:
             time.sleep(cfg.replay_pause_s)
+        if watch is not None:
+            _back_to_min(watch, cfg)
         print(f"replaying the slice: pass {k + 1} of {cfg.replays} ({len(trace.requests)} requests)", flush=True)
         start_s = time.time() - host.started
         records = replay(url, model, trace, PROMPT_VOCAB, cfg.request_timeout_s, salt=k * PASS_SALT)
         passes.append([{**m, "pass": k, "pass_start_s": start_s} for m in records])
         print(f"pass {k + 1}: {_pass_line(pooled_figures(passes[-1:]))}", flush=True)
+    if watch is not None:
+        _back_to_min(watch, cfg)
     return passes
 
 
+def _back_to_min(watch: ReplicaWatch, cfg: ValidateConfig) -> None:
+    replicas = cfg.autoscaling.min_replicas
+    print(f"waiting for the deployment to be back at {replicas} replica(s)", flush=True)
+    waited = watch.wait_for_running(replicas, cfg.scale_down_timeout_s)
+    print(f"back at {replicas} after {waited:.0f} s", flush=True)
+
+
+def compare_replicas(cfg: ValidateConfig, watch_samples: list[list[float]], watch_started: float,
+                     host_started: float, passes: list[list[dict[str, Any]]], run: RunResult) -> dict[str, Any]:
+    """Each pass's serving replicas over time on the endpoint (Serve's counts, from the pass's start to
+    the next's, or to the end of the watch) against the simulated run's (which starts cold, as every
+    pass does) over the same horizon."""
+    starts = [host_started + one[0]["pass_start_s"] - watch_started for one in passes]
+    ends = [*starts[1:], watch_samples[-1][0] if watch_samples else starts[-1]]
+    rows = []
+    for k, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        before = [s for s in watch_samples if s[0] <= start]
+        measured = [(0.0, int(before[-1][1]))] if before else []
+        measured += [(t - start, int(running)) for t, running, _ in watch_samples if start < t < end]
+        simulated = [(row["t"], int(row["ready"])) for row in run.timeline]
+        real, sim = replica_figures(measured, end - start), replica_figures(simulated, end - start)
+        ratio = sim["replica_seconds"] / real["replica_seconds"] if real["replica_seconds"] else None
+        rows.append({"pass": k, "horizon_s": end - start, "measured": real, "simulated": sim,
+                     "replica_seconds_ratio": ratio,
+                     "within_tolerance": ratio is not None and abs(ratio - 1) <= cfg.replica_seconds_tolerance})
+    return {"passes": rows, "all_within_tolerance": all(r["within_tolerance"] for r in rows)}
+
+
 def compare(cfg: ValidateConfig, fleet: FleetConfig, trace: Trace, profile: Profile,
-            passes: list[list[dict[str, Any]]]) -> dict[str, Any]:
+            passes: list[list[dict[str, Any]]], replicas: dict[str, Any] | None = None) -> dict[str, Any]:
     """The replayed ``passes`` against the simulator on the same slice: the simulated figures pooled
     over the trace's order and ``cfg.arrival_orders`` random orders of simultaneous arrivals (on the
     endpoint each pass gets the order its front end accepts a burst in, which the replay does not
     control), their ratios to the measured (all passes pooled), and every request's measured TTFT
-    beside its simulated one in the trace's order."""
+    beside its simulated one in the trace's order; with ``replicas`` (an autoscaled deployment's
+    watch: ``samples``, ``watch_started``, ``host_started``) its replicas over time against the
+    simulated ones, pass by pass."""
     measured = [m for records in passes for m in records]
     real = pooled_figures(passes)
     run = simulate(fleet, trace, profile)
@@ -290,7 +373,14 @@ def compare(cfg: ValidateConfig, fleet: FleetConfig, trace: Trace, profile: Prof
     spread = order_spread(orders)
     # How much slower the real replicas ran than the simulated ones, request by request.
     slowdown = [m["ttft_s"] / r.ttft_s for m, r in zip(measured, simulated, strict=True) if m["ttft_s"] and r.ttft_s]
+    replica_check = {} if replicas is None else {"replicas": {
+        **compare_replicas(cfg, replicas["samples"], replicas["watch_started"], replicas["host_started"], passes, run),
+        "startup_s": profile.figures(fleet.model).startup_s if fleet.startup_s is None else fleet.startup_s,
+        "startup_times_measured_s": replicas.get("startup_times_s", []),
+        "samples": replicas["samples"], "watch_started": replicas["watch_started"],
+        "host_started": replicas["host_started"]}}
     return {
+        **replica_check,
         "front_end": {k: getattr(fleet, k) for k in ("ingress_s", "ingress_latency_s")},
         "shared_host_slowdown": fleet.shared_host_slowdown,
         "median_measured_over_simulated_ttft": statistics.median(slowdown) if slowdown else None,
@@ -298,7 +388,8 @@ def compare(cfg: ValidateConfig, fleet: FleetConfig, trace: Trace, profile: Prof
         "simulated": sim, "simulated_in_trace_order": _run_figures([run]),
         "simulated_summary": summarize(run, cfg.fleet.slo_ttft_s),
         "simulated_over_measured": ratios,
-        "within_tolerance": {k: abs(v - 1) <= cfg.tolerance for k, v in ratios.items()},
+        "within_tolerance": {k: abs(v - 1) <= (cfg.tolerance_p90 if k == "ttft_p90_s" else cfg.tolerance)
+                             for k, v in ratios.items()},
         "simulated_over_arrival_orders": spread,
         "measured_within_order_spread": {k: v["p5"] <= real[k] <= v["p95"] for k, v in spread.items() if real[k]},
         "per_request": [{**m, "simulated_ttft_s": r.ttft_s, "input_tokens": r.input_tokens,
@@ -321,16 +412,16 @@ def resimulate(folder: str) -> dict[str, Any]:
         raise ValueError(f"{folder}/validation.json has no {', '.join(missing)}: it predates what this "
                          "simulator needs; run `swiftkv fleet validate` again")
     cfg = parse_config(ValidateConfig, saved["config"], what=f"{folder}/validation.json config")
-    fleet = FleetConfig(**{**cfg.fleet.model_dump(), **saved["front_end"],
-                           "shared_host_slowdown": saved["shared_host_slowdown"]},
-                        model=cfg.model, static_replicas=cfg.replicas)
+    replicas = saved.get("replicas")
+    startup = {"startup_s": replicas["startup_s"]} if replicas and replicas.get("startup_s") is not None else {}
+    fleet = validation_fleet(cfg, **saved["front_end"], shared_host_slowdown=saved["shared_host_slowdown"], **startup)
     kept = ("sent_s", "ttft_s", "latency_s", "output_tokens", "error", "pass", "pass_start_s")
     passes: dict[int, list[dict[str, Any]]] = {}
     for m in saved["per_request"]:
         passes.setdefault(m.get("pass", 0), []).append({k: m[k] for k in kept if k in m})
     measured_keys = ("config", "requests", "replay_wall_s", "host_load", "calibration_host_load", "warmup_host_load")
     return {**{k: saved[k] for k in measured_keys if k in saved},
-            **compare(cfg, fleet, cfg.traffic.build(), profile, list(passes.values()))}
+            **compare(cfg, fleet, cfg.traffic.build(), profile, list(passes.values()), replicas)}
 
 
 def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
@@ -338,8 +429,10 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
     calibration_host = HostLoad()
     profile = simulation_inputs(cfg, calibration_host)
     figures = profile.figures(cfg.model)
-    fleet = FleetConfig(**cfg.fleet.model_dump(), model=cfg.model, static_replicas=cfg.replicas)
-    with serving(cfg, figures.prefill_tokens_per_s) as url:
+    measured: dict[str, float] = {}
+    replicas = None
+    with serving(cfg, figures.prefill_tokens_per_s) as url, \
+            (ReplicaWatch(*served_deployment(cfg)) if cfg.autoscaling else nullcontext()) as watch:
         model = served_name(cfg)
         calibration_cores = calibration_host.summary(figures.timed_unix)  # {} when not measured here
         warmup_host = HostLoad()
@@ -348,24 +441,39 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
                 replay(url, model, window(trace, limit=cfg.warmup_requests), PROMPT_VOCAB, cfg.request_timeout_s,
                        salt=WARMUP_SALT)
         if cfg.measure:
-            front_end = measure_front_end(Burst(url, model, cfg.request_timeout_s), cfg.replicas,
+            if watch is not None:
+                _back_to_min(watch, cfg)  # the front end is measured on the replicas a pass starts with
+            idle = cfg.autoscaling.min_replicas if cfg.autoscaling else cfg.replicas
+            front_end = measure_front_end(Burst(url, model, cfg.request_timeout_s), idle,
                                           ReplicaCosts.from_figures(figures), cfg.measure.front_end)
             print(f"front end: {front_end['ingress_s'] * 1000:.0f} ms per request, one at a time, "
                   f"+ {front_end['ingress_latency_s'] * 1000:.0f} ms", flush=True)
             slowdown = shared_host_slowdown(calibration_cores, warmup_host.summary())
             print(f"shared-host slowdown: x{slowdown:.2f}", flush=True)
-            fleet = fleet.model_copy(update={**front_end, "shared_host_slowdown": slowdown})
+            measured.update(front_end, shared_host_slowdown=slowdown)
         t0 = time.time()
         with HostLoad() as host:
-            passes = replay_passes(url, model, trace, cfg, host)
+            passes = replay_passes(url, model, trace, cfg, host, watch)
         wall_s = time.time() - t0
+    if watch is not None:
+        started = startup_times(watch.samples)
+        print(f"replica start-ups measured: {', '.join(f'{t:.0f} s' for t in started) or 'none'}", flush=True)
+        if started:
+            measured["startup_s"] = statistics.median(started)
+        replicas = {"samples": [[s.t, s.running, s.starting] for s in watch.samples], "watch_started": watch.started,
+                    "host_started": host.started, "startup_times_s": started}
+    fleet = validation_fleet(cfg, **measured)
     result = {"config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
               "host_load": host.to_json(), "calibration_host_load": calibration_cores,
-              "warmup_host_load": warmup_host.summary(), **compare(cfg, fleet, trace, profile, passes)}
+              "warmup_host_load": warmup_host.summary(), **compare(cfg, fleet, trace, profile, passes, replicas)}
     write_files(cfg.out, {"validation.json": json.dumps(result, indent=1).encode(),
                           "profile.json": profile_json(profile).encode(),
                           "validation.png": validation_png(result["per_request"], host.samples)})
     return result
+
+
+def _at(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.0f}"
 
 
 def format_validation(result: dict[str, Any]) -> str:
@@ -375,7 +483,21 @@ def format_validation(result: dict[str, Any]) -> str:
         real, sim = result["measured"][key], result["simulated"][key]
         ratio = result["simulated_over_measured"].get(key)
         rows.append(f"| {label} | {real:.3g} | {sim:.3g} | {ratio:.2f} |" if ratio else f"| {label} | - | - | - |")
+    replicas = result.get("replicas")
+    if replicas:
+        rows += ["", "| pass | replica-seconds measured / simulated | ratio | peak at (s) measured / simulated | "
+                 "back down at (s) measured / simulated |", "|---|---:|---:|---:|---:|"]
+        for row in replicas["passes"]:
+            real, sim = row["measured"], row["simulated"]
+            ratio = f"{row['replica_seconds_ratio']:.2f}" if row["replica_seconds_ratio"] else "-"
+            rows.append(f"| {row['pass'] + 1} | {real['replica_seconds']:.0f} / {sim['replica_seconds']:.0f} | "
+                        f"{ratio} | "
+                        f"{_at(real['peak_at_s'])} / {_at(sim['peak_at_s'])} (peak {real['peak']} / {sim['peak']}) | "
+                        f"{_at(real['back_down_at_s'])} / {_at(sim['back_down_at_s'])} |")
     summary = f"requests: {result['requests']}, failed (measured): {result['measured']['failed']}"
+    if replicas:
+        measured = ", ".join(f"{t:.0f}" for t in replicas["startup_times_measured_s"]) or "none"
+        summary += f", replica start-up measured: {measured} s (simulated with {replicas['startup_s']:.0f} s)"
     front = result.get("front_end")
     if front:
         summary += (f", front end: {front['ingress_s'] * 1000:.0f} ms per request one at a time + "
