@@ -87,6 +87,22 @@ def test_load_tracker_rates_over_its_window():
     assert tracker.snapshot(120.0, 0.0).preemptions_per_s == 0.0
 
 
+def test_the_stat_logger_copies_vllms_step_figures_into_the_tracker():
+    from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+    from serve_apps.engine_stats import LoadStatLogger
+
+    tracker = LoadTracker(prefill_capacity=1000.0)
+    logger = LoadStatLogger(None, tracker=tracker)
+    step = IterationStats()
+    step.num_preempted_reqs = 2
+    step.prompt_token_stats.total, step.prompt_token_stats.computed = 500, 300
+    logger.record(SchedulerStats(num_running_reqs=4, num_waiting_reqs=1, num_skipped_waiting_reqs=2,
+                                 kv_cache_usage=0.97), step)
+    assert (tracker.preempted, tracker.prefilled_tokens, tracker.computed_tokens) == (2, 500, 300)
+    assert (tracker.running, tracker.waiting, tracker.kv_cache_usage) == (4, 3, 0.97)
+
+
 def test_replica_load_round_trips_through_serve_metrics():
     load = ReplicaLoad(prompt_tokens_waiting=5.0, kv_cache_usage=0.5, timestamp=3.0)
     metrics = load.to_metrics()
