@@ -603,6 +603,15 @@ def test_the_h100_profile_is_what_its_derivation_gives():
     assert derive() == load_profile(PROFILES / "h100-llama-3.1-8b.json")
 
 
+def test_a_decode_bandwidth_that_needs_unphysical_prefill_is_said_so(capsys):
+    from serve_apps.fleet.paper_profile import derive
+    from swiftkv.cli import main
+
+    assert "not physical" in derive(0.3).source  # the 8K run then needs prefill past the bf16 peak
+    assert main(["fleet", "derive-h100", "--hbm-efficiency", "1.5"]) == 2
+    assert "--hbm-efficiency must lie in (0, 1], not 1.5" in capsys.readouterr().err
+
+
 def test_the_validation_table_names_each_ratio_and_the_replicas_slowdown():
     from serve_apps.fleet.validate import format_validation
 

@@ -59,6 +59,8 @@ def add_parser(subparsers) -> None:
                                 "from the SwiftKV paper's figures (serve_apps/fleet/paper_profile.py) and print "
                                 "the paper figures it was not fitted to beside what it gives for them.")
     derive.add_argument("--out", default="serve_apps/fleet/profiles/h100-llama-3.1-8b.json", help="profile to write")
+    derive.add_argument("--hbm-efficiency", type=float, default=0.8,
+                        help="share of the H100's 3.35 TB/s a decode step reads at (an assumption; default 0.8)")
     derive.set_defaults(func=run)
 
 
@@ -69,7 +71,10 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "derive-h100":
         from serve_apps.fleet.paper_profile import checks, derive
 
-        profile = derive()
+        if not 0 < args.hbm_efficiency <= 1:
+            raise ValueError(f"--hbm-efficiency must lie in (0, 1], not {args.hbm_efficiency}")
+        profile = derive(args.hbm_efficiency)
+        print(profile.source)
         save_profile(profile, args.out)
         for name, figures in checks(profile).items():
             print(f"{name}: paper {figures['paper']:,.0f}, simulated {figures['simulated']:,.0f}")
