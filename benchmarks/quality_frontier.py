@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -119,13 +120,22 @@ def frontier_rows(results: dict[str, Any], facts: dict[str, dict[str, Any]]) -> 
     from swiftkv.evaluation.gate import GateConfig, judge
     from swiftkv.evaluation.needle import by_length
 
+    paired = next((m for m, fact in facts.items() if fact["method"] == "swiftkv"
+                   and "cells" in results["long_context"].get(m, {})), None)
     rows = []
     for model, fact in facts.items():
         row = dict(fact, model=model)
         needle = results["long_context"].get(model, {})
-        if "cells" in needle:
-            row["retrieval"] = {str(length): cell for length, cell in by_length(needle).items()}
         recall = (results["multi_turn"].get(model) or {}).get("recall")
+        if fact["method"] == "drop layers" and paired is not None:
+            # A plain checkpoint is its own probe's base: score it against the real base's answers on
+            # the same prompts, which every SwiftKV model's probe holds.
+            needle = {**needle, "cells": _against_base(needle.get("cells"), results["long_context"][paired]["cells"])}
+            base_recall = (results["multi_turn"].get(paired) or {}).get("recall")
+            if recall and base_recall:
+                recall = {**recall, "cells": _against_base(recall["cells"], base_recall["cells"])}
+        if needle.get("cells"):
+            row["retrieval"] = {str(length): cell for length, cell in by_length(needle).items()}
         if recall:
             row["recall"] = pool(recall["cells"])
         row["tasks"] = {task: parts[model] for task, parts in results["quality"].items()
@@ -138,6 +148,22 @@ def frontier_rows(results: dict[str, Any], facts: dict[str, dict[str, Any]]) -> 
         rows.append(row)
     _base_from_pairs(rows)
     return rows
+
+
+def _against_base(cells: list[dict[str, Any]] | None, paired: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``cells`` of a model probed alone, with the base's share and answer log-prob taken from a
+    SwiftKV model's cells on the same prompts (same length and depth, or gap). The difference's
+    standard error needs the prompts paired one by one, which the cells do not keep: NaN."""
+    if not cells:
+        return cells
+    key = [k for k in ("length", "depth", "gap") if k in cells[0]]
+    base = {tuple(c[k] for k in key): c for c in paired}
+    out = []
+    for cell in cells:
+        ref = base[tuple(cell[k] for k in key)]
+        out.append({**cell, "base_exact": ref["base_exact"], "base_logprob": ref["base_logprob"],
+                    "delta": cell["logprob"] - ref["base_logprob"], "delta_stderr": math.nan})
+    return out
 
 
 def _base_from_pairs(rows: list[dict[str, Any]]) -> None:

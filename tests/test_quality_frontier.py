@@ -3,6 +3,8 @@ plot made from an evaluation's results."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from benchmarks.drop_layers import healed_layers, shortened
@@ -35,10 +37,15 @@ def test_the_table_and_plot_cover_every_model():
     def recall(exact):
         return {"recall": {"gaps": [0], "cells": [{"gap": 0, **_cell(0, exact, 1.0)}]}}
 
+    def alone(probed):  # a plain checkpoint is its own probe's base: answer log-prob -3 on both sides
+        return [{**c, "base_exact": c["exact"], "logprob": -3.0, "base_logprob": -3.0, "delta": 0.0}
+                for c in probed]
+
     # The base is not probed itself: the SwiftKV model's probe scored it on the same prompts.
     results = {
-        "long_context": {"swiftkv-c15": needle(0.4), "drop-c15": needle(0.8)},
-        "multi_turn": {"swiftkv-c15": recall(0.5), "drop-c15": recall(0.5)},
+        "long_context": {"swiftkv-c15": needle(0.4), "drop-c15": {"cells": alone(needle(0.8)["cells"])}},
+        "multi_turn": {"swiftkv-c15": recall(0.5), "drop-c15": {"recall": {
+            "gaps": [0], "cells": alone(recall(0.5)["recall"]["cells"])}}},
         "quality": {"SciQ": {m: {"score": s, "stderr": 0.02, "n": 500} for m, s in (
             ("base", 0.8), ("swiftkv-c15", 0.75), ("rewired-c15", 0.6), ("drop-c15", 0.5))}},
     }
@@ -60,4 +67,7 @@ def test_the_table_and_plot_cover_every_model():
             "**FAIL** (0.75 (95% CI") in table
     assert "| base | 0% | - | 100% (+0.0) | 100% (+0.0) | 100% (+0.0) | 80.0 ± 2.0 | - |" in table
     assert "n = 20 per length" in table and "n = 500 each" in table
+    # The drop-layers baseline against the base's answers on the same prompts: -3 - (-0.5).
+    assert "| drop-c15 | 50% | - | 80% (-2.5) | 40% (-2.5) | 50% (-2.5) | 50.0 ± 2.0 | - |" in table
+    assert math.isnan(rows[3]["retrieval"]["512"]["delta_stderr"]) and rows[3]["recall"]["base_exact"] == 1.0
     assert plot_frontier(rows).startswith(b"\x89PNG")
