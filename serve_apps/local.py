@@ -184,7 +184,8 @@ def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None,
             return 1
         print(f"swiftkv serve: ready in {time.monotonic() - t0:.0f} s at http://{host}:{port}/v1 "
               f"(models: {names}; health: http://{host}:{port}/health/ready; "
-              f"Prometheus metrics, this host only: http://127.0.0.1:{metrics_port}/metrics)", flush=True)
+              f"Prometheus metrics, this host only: http://127.0.0.1:{metrics_port}/metrics; "
+              f"Ray at {ray.get_runtime_context().gcs_address})", flush=True)
         while True:
             time.sleep(3600)
     except _Stop as stop:

@@ -24,11 +24,13 @@ class ReplicaSample:
 
 
 class ReplicaWatch:
-    """Polls one deployment's replica states every ``period_s`` in a thread while the block runs.
-    The Ray cluster is the most recent one on this host (``address="auto"``): the endpoint's."""
+    """Polls one deployment's replica states every ``period_s`` in a thread while the block runs, as
+    a driver of the endpoint's Ray cluster at ``address`` (``swiftkv serve`` prints it when ready)."""
 
-    def __init__(self, app: str, deployment: str, period_s: float = 1.0) -> None:
-        self.app, self.deployment, self.period_s = app, deployment, period_s
+    def __init__(self, address: str, app: str, deployment: str, period_s: float = 1.0) -> None:
+        if not address:
+            raise ValueError("no Ray address to watch the deployment's replicas through")
+        self.address, self.app, self.deployment, self.period_s = address, app, deployment, period_s
         self.samples: list[ReplicaSample] = []
         self.started = 0.0
         self._stop = threading.Event()
@@ -47,7 +49,7 @@ class ReplicaWatch:
     def __enter__(self) -> ReplicaWatch:
         import ray
 
-        ray.init(address="auto", logging_level="ERROR", configure_logging=False)
+        ray.init(address=self.address, logging_level="ERROR", configure_logging=False)
         self.started = time.time()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()

@@ -70,9 +70,9 @@ def calibrate_through_serve(cfg: ValidateConfig, engine_profile: Profile) -> Pro
     stop it: a one-variant profile."""
     cal = cfg.calibration
     base = engine_profile.figures(cfg.model)
-    with serving(cfg, base.prefill_tokens_per_s) as url:
-        burst = Burst(url, served_name(cfg), cfg.request_timeout_s)
-        print(f"warm-up pass over every shape through {url}", flush=True)
+    with serving(cfg, base.prefill_tokens_per_s) as endpoint:
+        burst = Burst(endpoint.url, served_name(cfg), cfg.request_timeout_s)
+        print(f"warm-up pass over every shape through {endpoint.url}", flush=True)
         measure(burst, cfg.replicas, cal, rounds=1)
         print(f"measuring ({cal.rounds} rounds)", flush=True)
         curves = measure(burst, cfg.replicas, cal, cal.rounds)

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import fsspec
 from pydantic import Field, model_validator
@@ -166,8 +168,16 @@ def validation_fleet(cfg: ValidateConfig, **measured: float) -> FleetConfig:
     return FleetConfig(**settings, model=cfg.model)
 
 
+class Endpoint(NamedTuple):
+    url: str
+    """``http://127.0.0.1:port``."""
+
+    ray_address: str
+    """The endpoint's own Ray cluster (its GCS), for a driver that reads Serve's status."""
+
+
 @contextmanager
-def serving(cfg: ValidateConfig, prefill_tokens_per_s: float):
+def serving(cfg: ValidateConfig, prefill_tokens_per_s: float) -> Iterator[Endpoint]:
     """``swiftkv serve`` in a subprocess until the block ends (then SIGTERM: it drains and stops)."""
     routing = cfg.fleet.routing
     scaling = cfg.autoscaling.model_dump(exclude_none=True) if cfg.autoscaling else \
@@ -185,11 +195,13 @@ def serving(cfg: ValidateConfig, prefill_tokens_per_s: float):
                             env={**os.environ, "RAY_ADDRESS": "local"})
     ready = threading.Event()
     log: list[str] = []
+    address: list[str] = []
 
     def watch() -> None:
         for line in proc.stdout:
             log.append(line)
             if "swiftkv serve: ready" in line:
+                address.extend(re.findall(r"Ray at (\S+?)\)", line))
                 ready.set()
 
     threading.Thread(target=watch, daemon=True).start()
@@ -198,7 +210,7 @@ def serving(cfg: ValidateConfig, prefill_tokens_per_s: float):
         while not ready.wait(2.0):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("swiftkv serve did not come up:\n" + "".join(log[-40:]))
-        yield f"http://127.0.0.1:{cfg.port}"
+        yield Endpoint(f"http://127.0.0.1:{cfg.port}", address[0] if address else "")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -431,9 +443,10 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
     figures = profile.figures(cfg.model)
     measured: dict[str, float] = {}
     replicas = None
-    with serving(cfg, figures.prefill_tokens_per_s) as url, \
-            (ReplicaWatch(*served_deployment(cfg)) if cfg.autoscaling else nullcontext()) as watch:
-        model = served_name(cfg)
+    with serving(cfg, figures.prefill_tokens_per_s) as endpoint, \
+            (ReplicaWatch(endpoint.ray_address, *served_deployment(cfg)) if cfg.autoscaling
+             else nullcontext()) as watch:
+        url, model = endpoint.url, served_name(cfg)
         calibration_cores = calibration_host.summary(figures.timed_unix)  # {} when not measured here
         warmup_host = HostLoad()
         if cfg.warmup_requests:
