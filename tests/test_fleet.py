@@ -391,6 +391,17 @@ def test_bad_input_is_named(tmp_path):
         TrafficConfig()
 
 
+@pytest.mark.parametrize("path", sorted((PROFILES.parent / "configs").glob("validate-*.yaml")), ids=lambda p: p.name)
+def test_the_shipped_validation_configs_read_and_name_their_fleet(path):
+    from serve_apps.fleet.validate import ValidateConfig, validation_fleet
+    from swiftkv.yaml_config import load_config
+
+    cfg = load_config(ValidateConfig, path)
+    fleet = validation_fleet(cfg)
+    assert (fleet.static_replicas is None) == (cfg.autoscaling is not None)
+    assert fleet.routing.router == cfg.fleet.routing.router and cfg.traffic.build().requests
+
+
 def test_a_validation_without_measure_needs_a_profile():
     from serve_apps.fleet.validate import ValidateConfig, simulation_inputs
 
