@@ -64,6 +64,19 @@ def add_parser(subparsers) -> None:
     derive.set_defaults(func=run)
 
 
+def loopback_ray() -> None:
+    """The endpoint's local Ray is on 127.0.0.1 (``swiftkv serve``'s settings); this process's own Ray
+    (the engine calibration, the driver that watches the replicas) must take the same settings
+    before Ray is first imported, or it resolves 127.0.0.1 to the host's address and cannot reach it."""
+    import sys
+
+    from serve_apps.local import ray_environment
+
+    if "ray" in sys.modules:
+        raise RuntimeError("Ray was imported before its loopback settings were made")
+    ray_environment()
+
+
 def run(args: argparse.Namespace) -> int:
     from serve_apps.fleet.profile import load_profile, save_profile
     from swiftkv.yaml_config import load_config
@@ -80,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: paper {figures['paper']:,.0f}, simulated {figures['simulated']:,.0f}")
         print(f"wrote {args.out}")
     elif args.action == "calibrate-serve":
+        loopback_ray()
         from serve_apps.fleet.serve_profile import calibrate_through_serve
         from serve_apps.fleet.validate import ValidateConfig
 
@@ -113,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_report(cfg, results["runs"], results["targets"]))
         print(f"wrote {cfg.out}/results.json, report.md, timeline.png")
     else:
+        loopback_ray()
         from serve_apps.fleet.validate import ValidateConfig, format_validation, run_validate
 
         cfg = load_config(ValidateConfig, args.config, args.set, what="fleet validate config")
