@@ -126,7 +126,7 @@ def check_ray_auth(config: AppConfig) -> None:
                          "--insecure-no-auth")
 
 
-def ray_environment() -> None:
+def _ray_environment() -> None:
     """Ray settings of the local cluster, as environment variables its processes inherit."""
     # Ray's own services (GCS, raylet, agents, the metrics endpoint) on 127.0.0.1 only: Ray binds them
     # to the node address, which it takes to be loopback where multi-node clusters are off (read when
@@ -143,14 +143,14 @@ def _check_ray_is_loopback() -> None:
     from serve_apps.auth import is_loopback
 
     address = ray.util.get_node_ip_address()
-    if not is_loopback(address):  # Ray was imported before ray_environment: fail closed
+    if not is_loopback(address):  # Ray was imported before _ray_environment: fail closed
         raise RuntimeError(f"the local Ray listens on {address}, not on loopback only")
 
 
 def serve_locally(config: AppConfig, host: str, port: int, num_cpus: int | None, metrics_port: int) -> int:
     """Run until SIGTERM/Ctrl-C; return the exit code."""
     check_exposure(config, host)
-    ray_environment()
+    _ray_environment()
     from serve_apps.vllm_app import check_admission, served_engine_config
     from swiftkv.model_source import resolve_model
 

@@ -65,16 +65,15 @@ def add_parser(subparsers) -> None:
 
 
 def loopback_ray() -> None:
-    """The endpoint's local Ray is on 127.0.0.1 (``swiftkv serve``'s settings); this process's own Ray
-    (the engine calibration, the driver that watches the replicas) must take the same settings
-    before Ray is first imported, or it resolves 127.0.0.1 to the host's address and cannot reach it."""
+    """The endpoint's local Ray is on 127.0.0.1 (``swiftkv serve`` turns multi-node clusters off); this
+    process's own Ray (the engine calibration, the driver that watches the replicas) must too, before
+    Ray is first imported, or it resolves 127.0.0.1 to the host's address and cannot reach it."""
+    import os
     import sys
 
-    from serve_apps.local import ray_environment
-
     if "ray" in sys.modules:
-        raise RuntimeError("Ray was imported before its loopback settings were made")
-    ray_environment()
+        raise RuntimeError("Ray was imported before its loopback setting was made")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 
 def run(args: argparse.Namespace) -> int:
