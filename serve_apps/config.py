@@ -164,11 +164,13 @@ class ModelOptions(StrictConfig):
     """``Retry-After`` of a refusal (queue full, no replica free in time, model unavailable)."""
 
     health_check_period_s: float = Field(default=10.0, gt=0)
-    """How often Serve checks each replica's health: the replica asks its engine for one token."""
+    """How often Serve checks each replica's health: an engine that finished a step recently is
+    alive; one that did not (idle, or hung) is asked for one token."""
 
     health_probe_timeout_s: float = Field(default=10.0, gt=0)
-    """An engine that does not produce that token within this long fails the check; after three
-    failed checks in a row Serve replaces the replica (a hung engine is restarted)."""
+    """An engine with no step in this long that does not produce that token within it either fails
+    the check; after three failed checks in a row Serve replaces the replica (a hung engine is
+    restarted, a busy one is not)."""
 
     graceful_shutdown_timeout_s: float = Field(default=60.0, ge=0)
     """On shutdown or scale-down, in-flight requests get this long to finish."""

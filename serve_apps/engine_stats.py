@@ -39,6 +39,7 @@ class LoadStatLogger(StatLoggerBase):
             if iteration_stats.time_to_first_tokens_iter:
                 self.tracker.on_first_tokens(time.time(), list(iteration_stats.time_to_first_tokens_iter))
         if scheduler_stats is not None:
+            self.tracker.on_step(time.monotonic())
             self.tracker.on_scheduler(
                 scheduler_stats.num_running_reqs,
                 scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,

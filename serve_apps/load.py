@@ -91,6 +91,7 @@ class LoadTracker:
         self.prefilled_tokens = 0  # cumulative prompt tokens whose prefill finished
         self.computed_tokens = 0  # ... of which were computed, not prefix-cache hits
         self.preempted = 0  # cumulative running requests preempted
+        self.last_step_monotonic: float | None = None  # when the engine last reported a step
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
@@ -104,6 +105,10 @@ class LoadTracker:
 
     def on_first_tokens(self, now: float, ttfts: list[float]) -> None:
         self._ttfts.extend((now, t) for t in ttfts)
+
+    def on_step(self, now_monotonic: float) -> None:
+        """The engine finished a step (the replica's health check reads it: progress is liveness)."""
+        self.last_step_monotonic = now_monotonic
 
     def on_preempted(self, requests: int) -> None:
         self.preempted += requests

@@ -98,12 +98,17 @@ class ModelServer:
         return self.load().to_metrics()
 
     async def check_health(self) -> None:
-        """Serve's health check: the engine must be alive and produce one token within
-        ``health_probe_timeout_s`` (an engine that hangs still reports no error). Three failures in
-        a row make Serve replace this replica."""
+        """Serve's health check: the engine must be alive and making progress, a step finished within
+        ``health_probe_timeout_s`` or else one token produced within it (an engine that hangs still
+        reports no error). Three failures in a row make Serve replace this replica."""
         from vllm import SamplingParams
 
         await self.engine.check_health()  # a dead engine raises at once
+        # A busy engine is alive: a probe would wait behind its queue (vLLM schedules in order) and
+        # fail a healthy replica under load (the fleet validation's warm-up burst did, on CPU).
+        last_step = self.tracker.last_step_monotonic
+        if last_step is not None and time.monotonic() - last_step < self.options.health_probe_timeout_s:
+            return
         request_id = f"health-{uuid.uuid4().hex}"
         try:
             async with asyncio.timeout(self.options.health_probe_timeout_s):

@@ -100,7 +100,40 @@ def test_the_stat_logger_copies_vllms_step_figures_into_the_tracker():
     logger.record(SchedulerStats(num_running_reqs=4, num_waiting_reqs=1, num_skipped_waiting_reqs=2,
                                  kv_cache_usage=0.97), step)
     assert (tracker.preempted, tracker.prefilled_tokens, tracker.computed_tokens) == (2, 500, 300)
+    assert tracker.last_step_monotonic is not None  # the step is the replica's sign of life
     assert (tracker.running, tracker.waiting, tracker.kv_cache_usage) == (4, 3, 0.97)
+
+
+def test_a_busy_engine_passes_the_health_check_and_a_silent_one_is_probed():
+    """Progress is liveness: an engine that stepped within the probe's timeout is not asked for a
+    token (the probe would queue behind its requests); one that did not must produce it in time."""
+    import time
+    from types import SimpleNamespace
+
+    from serve_apps.model_server import ModelServer
+
+    probes = []
+
+    class HungEngine:
+        async def check_health(self) -> None:
+            pass
+
+        async def generate(self, prompt, params, request_id):
+            probes.append(request_id)
+            await asyncio.sleep(30)
+            yield None
+
+    tracker = LoadTracker(prefill_capacity=100.0)
+    server = SimpleNamespace(engine=HungEngine(), tracker=tracker, options=ModelOptions(
+        name="m", model="bundled", health_probe_timeout_s=0.2))
+    check = ModelServer.func_or_class.check_health
+    tracker.on_step(time.monotonic())
+    asyncio.run(check(server))
+    assert probes == []
+    tracker.on_step(time.monotonic() - 1.0)  # no step for a second: idle or hung, so probe
+    with pytest.raises(TimeoutError, match="model m: the engine produced no token within 0.2 s"):
+        asyncio.run(check(server))
+    assert len(probes) == 1
 
 
 def test_replica_load_round_trips_through_serve_metrics():
