@@ -533,7 +533,7 @@ def test_an_autoscaled_validation_compares_replicas_over_time_by_hand(tmp_path):
     saved = {"config": cfg.model_dump(mode="json"), "requests": len(burst), "per_request": records,
              "front_end": {"ingress_s": 0.0, "ingress_latency_s": 0.0}, "shared_host_slowdown": 1.0,
              "replicas": {"samples": samples, "watch_started": 100.0, "host_started": 90.0, "startup_s": 5.0,
-                          "startup_times_s": [6.0]}}
+                          "startup_times_measured_s": [6.0]}}
     (tmp_path / "validation.json").write_text(json.dumps(saved))
     result = resimulate(str(tmp_path))
     [row] = result["replicas"]["passes"]
@@ -547,6 +547,7 @@ def test_an_autoscaled_validation_compares_replicas_over_time_by_hand(tmp_path):
     text = format_validation(result)
     assert "replica-seconds measured / simulated" in text and "| 1 | 89 / " in text
     assert "replica start-up measured: 6 s (simulated with 5 s)" in text
+    assert "| 1 | 89 / " in text and "| 7 / " in text and "| 38 / " in text
     with pytest.raises(ValueError, match="min_replicas must be at least 1"):
         ValidateConfig(traffic=cfg.traffic, measure=None, model="m", autoscaling={"min_replicas": 0})
 

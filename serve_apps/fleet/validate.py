@@ -351,11 +351,16 @@ def compare_replicas(cfg: ValidateConfig, watch_samples: list[list[float]], watc
     pass does) over the same horizon."""
     starts = [host_started + one[0]["pass_start_s"] - watch_started for one in passes]
     ends = [*starts[1:], watch_samples[-1][0] if watch_samples else starts[-1]]
+    minimum = cfg.autoscaling.min_replicas
     rows = []
     for k, (start, end) in enumerate(zip(starts, ends, strict=True)):
-        before = [s for s in watch_samples if s[0] <= start]
-        measured = [(0.0, int(before[-1][1]))] if before else []
+        # Every pass starts at min_replicas, and the next starts (or the watch ends) as soon as the
+        # deployment is back there: the command waits for both, so a scale-down the 1 s polls
+        # missed at the end of the window happened by then (at most a poll late).
+        measured = [(0.0, minimum)]
         measured += [(t - start, int(running)) for t, running, _ in watch_samples if start < t < end]
+        if measured[-1][1] != minimum:
+            measured.append((end - start, minimum))
         simulated = [(row["t"], int(row["ready"])) for row in run.timeline]
         real, sim = replica_figures(measured, end - start), replica_figures(simulated, end - start)
         ratio = sim["replica_seconds"] / real["replica_seconds"] if real["replica_seconds"] else None
@@ -388,7 +393,7 @@ def compare(cfg: ValidateConfig, fleet: FleetConfig, trace: Trace, profile: Prof
     replica_check = {} if replicas is None else {"replicas": {
         **compare_replicas(cfg, replicas["samples"], replicas["watch_started"], replicas["host_started"], passes, run),
         "startup_s": profile.figures(fleet.model).startup_s if fleet.startup_s is None else fleet.startup_s,
-        "startup_times_measured_s": replicas.get("startup_times_s", []),
+        "startup_times_measured_s": replicas.get("startup_times_measured_s", []),
         "samples": replicas["samples"], "watch_started": replicas["watch_started"],
         "host_started": replicas["host_started"]}}
     return {
@@ -474,7 +479,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
         if started:
             measured["startup_s"] = statistics.median(started)
         replicas = {"samples": [[s.t, s.running, s.starting] for s in watch.samples], "watch_started": watch.started,
-                    "host_started": host.started, "startup_times_s": started}
+                    "host_started": host.started, "startup_times_measured_s": started}
     fleet = validation_fleet(cfg, **measured)
     result = {"config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
               "host_load": host.to_json(), "calibration_host_load": calibration_cores,
@@ -509,8 +514,8 @@ def format_validation(result: dict[str, Any]) -> str:
                         f"{_at(real['back_down_at_s'])} / {_at(sim['back_down_at_s'])} |")
     summary = f"requests: {result['requests']}, failed (measured): {result['measured']['failed']}"
     if replicas:
-        measured = ", ".join(f"{t:.0f}" for t in replicas["startup_times_measured_s"]) or "none"
-        summary += f", replica start-up measured: {measured} s (simulated with {replicas['startup_s']:.0f} s)"
+        measured = ", ".join(f"{t:.0f} s" for t in replicas["startup_times_measured_s"]) or "none"
+        summary += f", replica start-up measured: {measured} (simulated with {replicas['startup_s']:.0f} s)"
     front = result.get("front_end")
     if front:
         summary += (f", front end: {front['ingress_s'] * 1000:.0f} ms per request one at a time + "
