@@ -26,8 +26,7 @@ def endpoint():
         "name": "routed", "model": "bundled", "env": CPU_ENV, "prefill_tokens_per_s": 300,
         "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096,
                           "enable_prefix_caching": False},
-        # A 3,500-token prefill takes seconds on two busy cores: the health probe's token waits behind it.
-        "graceful_shutdown_timeout_s": 10, "health_probe_timeout_s": 60,
+        "graceful_shutdown_timeout_s": 10,
         "autoscaling": {"min_replicas": 2, "max_replicas": 2}, "routing": {"stats_period_s": 0.5},
     }]}
     with local_serve(config) as endpoint:
