@@ -511,6 +511,18 @@ def test_replica_counts_say_when_a_fleet_grew_shrank_and_how_long_a_start_took()
     assert replica_figures([(0.0, 1)], 10.0)["back_down_at_s"] is None
 
 
+def test_watching_the_endpoints_replicas_without_the_loopback_setting_is_one_clear_error(monkeypatch):
+    """Called from Python without ``loopback_ray``, the watch would wait minutes for an attach that
+    cannot succeed; it refuses at once, naming the setting."""
+    from serve_apps.fleet.replica_watch import ReplicaWatch
+
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    with pytest.raises(RuntimeError, match="RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"):
+        ReplicaWatch("127.0.0.1:6379", "app", "deployment")
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    assert ReplicaWatch("127.0.0.1:6379", "app", "deployment").address == "127.0.0.1:6379"
+
+
 def test_an_autoscaled_validation_compares_replicas_over_time_by_hand(tmp_path):
     """A saved validation of an autoscaled deployment simulated again: a burst the simulated fleet
     meets by growing 1 -> 2 (5 s start-ups, as measured on the endpoint) and shrinking back, against
