@@ -511,6 +511,30 @@ def test_replica_counts_say_when_a_fleet_grew_shrank_and_how_long_a_start_took()
     assert replica_figures([(0.0, 1)], 10.0)["back_down_at_s"] is None
 
 
+def test_the_warm_ups_replica_start_ups_are_left_out_of_the_shared_host_slowdown(monkeypatch):
+    """An autoscaled warm-up that grew the fleet: while the second replica started (Serve saw it
+    starting at 3-5 s) the serving engine had half the cores; the slowdown is taken from the other
+    periods, where the engines had what they have in a fleet of serving replicas."""
+    from serve_apps.fleet.host_load import HostLoad, HostSample
+    from serve_apps.fleet.replica_watch import ReplicaSample, ReplicaWatch
+    from serve_apps.fleet.validate import shared_host_slowdown
+
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    watch = ReplicaWatch("127.0.0.1:6379", "app", "deployment")
+    watch.started = 1000.0
+    watch.samples = [ReplicaSample(t, 1 + (t >= 6), int(3 <= t < 6)) for t in range(10)]
+    assert watch.starting_unix() == [(1002.0, 1006.0)]
+    host = HostLoad(period_s=1.0)
+    host.started = 1000.0
+    host.samples = [HostSample(t=t, ours=2.0, engines=1.0 if 2 < t < 7 else 1.8, others=0.0, steal=0.0, idle=0.0)
+                    for t in range(1, 10)]  # one period ending at each second
+    calibration = {"saturated_periods": 5, "engines_when_saturated": 1.9}
+    assert shared_host_slowdown(calibration, host.summary()) == pytest.approx(1.9 / ((5 * 1.8 + 4 * 1.0) / 9))
+    kept = host.summary(excluding_unix=watch.starting_unix())  # the periods ending at 3..6 s overlap 2-6 s
+    assert kept["saturated_periods"] == 5 and shared_host_slowdown(calibration, kept) == pytest.approx(1.9 / 1.8)
+    assert host.summary(excluding_unix=[(1000.0, 1010.0)]) == {}
+
+
 def test_watching_the_endpoints_replicas_without_the_loopback_setting_is_one_clear_error(monkeypatch):
     """Called from Python without ``loopback_ray``, the watch would wait minutes for an attach that
     cannot succeed; it refuses at once, naming the setting."""

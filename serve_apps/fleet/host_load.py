@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import psutil
@@ -102,15 +103,18 @@ class HostLoad:
         self._stop.set()
         self._thread.join()
 
-    def summary(self, between_unix: tuple[float, float] | None = None) -> dict[str, float]:
+    def summary(self, between_unix: tuple[float, float] | None = None,
+                excluding_unix: Sequence[tuple[float, float]] = ()) -> dict[str, float]:
         """Mean cores of each kind over the recording (or the periods that ended within
-        ``between_unix``, wall-clock seconds); the highest mean over any 10 s of the others plus steal
-        (a slow stretch hides in a mean); and, over the periods that left no core idle, how the cores
-        were shared (what the engines got when they had to share)."""
+        ``between_unix``, wall-clock seconds, and overlapping none of ``excluding_unix``); the highest mean over
+        any 10 s of the others plus steal (a slow stretch hides in a mean); and, over the periods that
+        left no core idle, how the cores were shared (what the engines got when they had to share)."""
         samples = self.samples
         if between_unix is not None:
             start, end = (u - self.started for u in between_unix)
             samples = [s for s in samples if start < s.t <= end]
+        for start, end in ((a - self.started, b - self.started) for a, b in excluding_unix):
+            samples = [s for s in samples if not start < s.t < end + self.period_s]  # any overlap
         if not samples:
             return {}
         kinds = ("ours", "engines", "others", "steal", "idle")

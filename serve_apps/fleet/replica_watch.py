@@ -78,6 +78,21 @@ class ReplicaWatch:
         raise TimeoutError(f"the deployment did not come back to {replicas} replicas within {timeout_s:.0f} s "
                            f"(now {self.counts()[0]} running)")
 
+    def starting_unix(self) -> list[tuple[float, float]]:
+        """Wall-clock spans in which a replica was starting (from the poll before the first that saw
+        it to the first that saw none)."""
+        spans, began, last = [], None, 0.0
+        for s in self.samples:
+            if s.starting and began is None:
+                began = last
+            elif not s.starting and began is not None:
+                spans.append((self.started + began, self.started + s.t))
+                began = None
+            last = s.t
+        if began is not None:
+            spans.append((self.started + began, self.started + last))
+        return spans
+
     def __exit__(self, *exc: object) -> None:
         import ray
 

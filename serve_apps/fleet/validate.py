@@ -436,7 +436,8 @@ def resimulate(folder: str) -> dict[str, Any]:
     passes: dict[int, list[dict[str, Any]]] = {}
     for m in saved["per_request"]:
         passes.setdefault(m.get("pass", 0), []).append({k: m[k] for k in kept if k in m})
-    measured_keys = ("config", "requests", "replay_wall_s", "host_load", "calibration_host_load", "warmup_host_load")
+    measured_keys = ("config", "requests", "replay_wall_s", "host_load", "calibration_host_load", "warmup_host_load",
+                    "warmup_startups_left_out")
     return {**{k: saved[k] for k in measured_keys if k in saved},
             **compare(cfg, fleet, cfg.traffic.build(), profile, list(passes.values()), replicas)}
 
@@ -453,7 +454,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
              else nullcontext()) as watch:
         url, model = endpoint.url, served_name(cfg)
         calibration_cores = calibration_host.summary(figures.timed_unix)  # {} when not measured here
-        warmup_host = HostLoad()
+        warmup_host, starting = HostLoad(), []
         if cfg.warmup_requests:
             with warmup_host:
                 replay(url, model, window(trace, limit=cfg.warmup_requests), PROMPT_VOCAB, cfg.request_timeout_s,
@@ -466,7 +467,11 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
                                           ReplicaCosts.from_figures(figures), cfg.measure.front_end)
             print(f"front end: {front_end['ingress_s'] * 1000:.0f} ms per request, one at a time, "
                   f"+ {front_end['ingress_latency_s'] * 1000:.0f} ms", flush=True)
-            slowdown = shared_host_slowdown(calibration_cores, warmup_host.summary())
+            # A replica starting (Ray's actor, imports, the engine's load) takes cores from the one
+            # serving: those periods say nothing of a fleet of serving replicas and are left out
+            # (the watch has seen every start-up of the warm-up once the fleet is back at its minimum).
+            starting = watch.starting_unix() if watch is not None else []
+            slowdown = shared_host_slowdown(calibration_cores, warmup_host.summary(excluding_unix=starting))
             print(f"shared-host slowdown: x{slowdown:.2f}", flush=True)
             measured.update(front_end, shared_host_slowdown=slowdown)
         t0 = time.time()
@@ -483,7 +488,8 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
     fleet = validation_fleet(cfg, **measured)
     result = {"config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
               "host_load": host.to_json(), "calibration_host_load": calibration_cores,
-              "warmup_host_load": warmup_host.summary(), **compare(cfg, fleet, trace, profile, passes, replicas)}
+              "warmup_host_load": warmup_host.summary(excluding_unix=starting),
+              "warmup_startups_left_out": len(starting), **compare(cfg, fleet, trace, profile, passes, replicas)}
     write_files(cfg.out, {"validation.json": json.dumps(result, indent=1).encode(),
                           "profile.json": profile_json(profile).encode(),
                           "validation.png": validation_png(result["per_request"], host.samples)})
@@ -556,6 +562,9 @@ def format_validation(result: dict[str, Any]) -> str:
         summary += (f"\nduring the warm-up, in the {warmup['saturated_periods']} periods with no core idle: engines "
                     f"{warmup['engines_when_saturated']:.2f}, rest of this run "
                     f"{warmup['ours_when_saturated'] - warmup['engines_when_saturated']:.2f}")
+    if result.get("warmup_startups_left_out"):
+        summary += (f"\nthe warm-up's periods with a replica starting ({result['warmup_startups_left_out']} "
+                    "start-up(s)) are left out of its figures and the slowdown")
     if result.get("shared_host_slowdown", 1.0) != 1.0:
         summary += (f"\nsimulated steps started while every replica is busy: x{result['shared_host_slowdown']:.2f} "
                     "(the engines' cores with none idle, calibration over warm-up)")
