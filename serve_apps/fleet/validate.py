@@ -471,8 +471,11 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
             # serving: those periods say nothing of a fleet of serving replicas and are left out
             # (the watch has seen every start-up of the warm-up once the fleet is back at its minimum).
             starting = watch.starting_unix() if watch is not None else []
-            slowdown = shared_host_slowdown(calibration_cores, warmup_host.summary(excluding_unix=starting))
-            print(f"shared-host slowdown: x{slowdown:.2f}", flush=True)
+            serving_cores = warmup_host.summary(excluding_unix=starting)
+            slowdown = shared_host_slowdown(calibration_cores, serving_cores)
+            unmeasured = "" if serving_cores.get("saturated_periods") else (
+                " (not measured: the warm-up never filled the host with every replica serving)")
+            print(f"shared-host slowdown: x{slowdown:.2f}{unmeasured}", flush=True)
             measured.update(front_end, shared_host_slowdown=slowdown)
         t0 = time.time()
         with HostLoad() as host:
