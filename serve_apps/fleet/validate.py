@@ -454,11 +454,13 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
              else nullcontext()) as watch:
         url, model = endpoint.url, served_name(cfg)
         calibration_cores = calibration_host.summary(figures.timed_unix)  # {} when not measured here
-        warmup_host, starting = HostLoad(), []
+        warmup_host, warmup_cores = HostLoad(), {}
         if cfg.warmup_requests:
             with warmup_host:
                 replay(url, model, window(trace, limit=cfg.warmup_requests), PROMPT_VOCAB, cfg.request_timeout_s,
                        salt=WARMUP_SALT)
+            warmup_end, warmup_cores = time.time(), warmup_host.summary()
+        starting: list[tuple[float, float]] = []
         if cfg.measure:
             if watch is not None:
                 _back_to_min(watch, cfg)  # the front end is measured on the replicas a pass starts with
@@ -470,10 +472,11 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
             # A replica starting (Ray's actor, imports, the engine's load) takes cores from the one
             # serving: those periods say nothing of a fleet of serving replicas and are left out
             # (the watch has seen every start-up of the warm-up once the fleet is back at its minimum).
-            starting = watch.starting_unix() if watch is not None else []
-            serving_cores = warmup_host.summary(excluding_unix=starting)
-            slowdown = shared_host_slowdown(calibration_cores, serving_cores)
-            unmeasured = "" if serving_cores.get("saturated_periods") else (
+            if watch is not None and cfg.warmup_requests:
+                starting = [(a, b) for a, b in watch.starting_unix() if a < warmup_end]
+                warmup_cores = warmup_host.summary(excluding_unix=starting)
+            slowdown = shared_host_slowdown(calibration_cores, warmup_cores)
+            unmeasured = "" if warmup_cores.get("saturated_periods") else (
                 " (not measured: the warm-up never filled the host with every replica serving)")
             print(f"shared-host slowdown: x{slowdown:.2f}{unmeasured}", flush=True)
             measured.update(front_end, shared_host_slowdown=slowdown)
@@ -491,7 +494,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
     fleet = validation_fleet(cfg, **measured)
     result = {"config": cfg.model_dump(mode="json"), "requests": len(trace.requests), "replay_wall_s": wall_s,
               "host_load": host.to_json(), "calibration_host_load": calibration_cores,
-              "warmup_host_load": warmup_host.summary(excluding_unix=starting),
+              "warmup_host_load": warmup_cores,
               "warmup_startups_left_out": len(starting), **compare(cfg, fleet, trace, profile, passes, replicas)}
     write_files(cfg.out, {"validation.json": json.dumps(result, indent=1).encode(),
                           "profile.json": profile_json(profile).encode(),
