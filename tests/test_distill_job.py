@@ -29,6 +29,7 @@ from swiftkv.cli import main as cli
 from swiftkv.distill import data
 from swiftkv.distill.config import DataConfig, parse_config
 from swiftkv.distill.data import build_datasets
+from swiftkv.distill.retrieval_data import retrieval_chat
 from tests.distill_data import sharegpt_rows, ultrachat_rows, write_jsonl, write_parquet
 from tests.file_modes import unreadable
 from tests.s3_server import moto_s3_server, s3_env
@@ -302,6 +303,25 @@ def test_the_conversion_task_asks_for_the_memory_it_takes(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 1000)
     on_disk = 1000 + (tmp_path / "config.json").stat().st_size
     assert conversion_memory_bytes(str(tmp_path), 40) == 2 * 2**30 + 2 * on_disk
+
+
+def test_a_synthetic_source_holds_out_rows_of_its_own(ray_cluster):
+    """A synthetic source's held-out rows are its next ids after the training ones: all its training
+    rows train, none is generated to find the held-out ones, and the two sets share no row."""
+    tokenizer = str(ensure_bundled_model())
+    src = {"synthetic": "retrieval", "rows": 8, "min_tokens": 192, "max_tokens": 256, "filler": "bundled:squad"}
+    cfg = DataConfig(sources=[src], max_seq_len=256, heldout_fraction=0.2)
+
+    def texts(heldout: bool) -> list[str]:
+        rows = data._messages(cfg, heldout=heldout, tokenizer_path=tokenizer).take_all()
+        return [json.dumps(list(r["messages"]), default=str) for r in rows]
+
+    train, heldout = texts(False), texts(True)
+    assert len(train) == 8 and len(heldout) == 2 and not set(train) & set(heldout)  # ceil(8 * 0.2)
+    spec = cfg.sources[0]
+    ninth = retrieval_chat(8, spec.tasks, spec.filler, spec.min_tokens, spec.max_tokens, spec.seed,
+                           data.load_tokenizer(tokenizer))
+    assert heldout[0] == json.dumps(ninth, default=str)
 
 
 def test_retrieval_rows_and_the_least_squares_start(ray_cluster, tmp_path):

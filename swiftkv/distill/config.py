@@ -106,7 +106,8 @@ class DataConfig(StrictConfig):
 
     heldout_fraction: float = Field(default=0.01, ge=0, lt=1)
     """Fraction of examples (chosen by a hash of their text, so stable across runs) kept out of
-    training and used for the held-out KL / top-1 agreement."""
+    training and used for the held-out KL / top-1 agreement. A synthetic source holds out this share
+    of its ``rows`` (at least one) as extra rows of its own, generated after the training ones."""
 
     heldout_max_rows: int = Field(default=64, gt=0)
     """At most this many held-out rows are evaluated (bounds the evaluation time)."""

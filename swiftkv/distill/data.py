@@ -1,7 +1,8 @@
 """The Ray Data pipeline: read each source, map its schema to messages, mix, template, pack.
 
 read (parquet / jsonl / chitchat json; local, glob, s3:// or any fsspec URI; files in a seeded order)
-  -> sample (sample_count or weight) -> messages + held-out flag (malformed rows logged, skipped)
+  -> sample (sample_count or weight) -> messages + held-out flag (malformed rows logged, skipped;
+     synthetic sources hold out rows of their own, after the training ids)
   -> small blocks -> union of the sources (one block of each in turn) -> chat template + loss mask
   -> packed rows of max_seq_len tokens (int32 ids, int16/int32 positions, uint8 mask).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import zlib
 from functools import lru_cache
 from pathlib import Path
@@ -150,20 +152,26 @@ def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-RETRIEVAL_ROWS_PER_READ = 16
-"""Synthetic retrieval rows per Ray Data read task."""
+DATA_TASK_CPUS = 0.5
+"""CPUs each map task of the pipeline declares. Ray Data reserves one task's CPUs per live stage,
+upstream first, and gives a stage nothing when those are spent: at 1 CPU per task, a pipeline with
+more live stages than CPUs (a 2-core machine, or the CPUs Ray Train leaves to data) starves its last
+stage until every source row is made, and the first packed row waits for all of them."""
+
+
+def heldout_retrieval_rows(src: RetrievalSourceConfig, fraction: float) -> int:
+    """Held-out rows of a synthetic source: ``fraction`` of its ``rows`` (at least one), generated from
+    the ids after the training ones, so that holding them out costs only their own generation (a hash
+    coin would make every training row to find them)."""
+    return max(1, math.ceil(src.rows * fraction))
 
 
 def _retrieval_messages(batch: dict[str, np.ndarray], src: RetrievalSourceConfig, tokenizer_path: str,
-                        heldout: bool, fraction: float) -> pa.Table:
+                        first_id: int) -> pa.Table:
     tokenizer = load_tokenizer(tokenizer_path)
-    kept = []
-    for index in batch["id"]:
-        messages = retrieval_chat(int(index), src.tasks, src.filler, src.min_tokens, src.max_tokens, src.seed,
-                                  tokenizer)
-        if is_heldout(messages, fraction) == heldout:
-            kept.append({"messages": messages})
-    return pa.Table.from_pylist(kept, schema=MESSAGES_SCHEMA)
+    chats = [retrieval_chat(first_id + int(index), src.tasks, src.filler, src.min_tokens, src.max_tokens, src.seed,
+                            tokenizer) for index in batch["id"]]
+    return pa.Table.from_pylist([{"messages": m} for m in chats], schema=MESSAGES_SCHEMA)
 
 
 def check_sources(cfg: DataConfig, tokenizer_path: str) -> None:
@@ -205,7 +213,8 @@ def _tokenize_and_pack(batch: pa.Table, tokenizer_path: str, cfg: DataConfig) ->
 
 
 def _messages(cfg: DataConfig, heldout: bool, tokenizer_path: str) -> ray.data.Dataset:
-    # Blocks of exactly pack_window / sources rows: the union takes one block of each source in turn,
+    # Blocks of pack_window / sources rows (exactly, or within one for a synthetic source's even split
+    # of its ids): the union takes one block of each source in turn,
     # so every pack window mixes the sources, and a big file (chitchat's one JSON of 7K conversations)
     # is templated window by window instead of in one task that the first batch waits for. Exact
     # sizes also make the blocks the same in every run whatever read parallelism Ray picks from the
@@ -215,14 +224,12 @@ def _messages(cfg: DataConfig, heldout: bool, tokenizer_path: str) -> ray.data.D
     parts = []
     for i, src in enumerate(cfg.sources):
         if isinstance(src, RetrievalSourceConfig):
-            # Generating a row takes about 0.1 s of tokenizer work: small read blocks let the first
-            # batch, the least-squares start's few rows and the held-out limit stop early instead of
-            # waiting for one task to make every row.
-            read_blocks = -(-src.rows // RETRIEVAL_ROWS_PER_READ)
-            parts.append(ray.data.range(src.rows, override_num_blocks=read_blocks).map_batches(
-                _retrieval_messages, batch_format="numpy",
-                fn_kwargs=dict(src=src, tokenizer_path=tokenizer_path, heldout=heldout, fraction=cfg.heldout_fraction),
-            ).repartition(target_num_rows_per_block=rows_per_block, strict=True))
+            # Read in blocks of the window's share already (row i is made from i alone, none is
+            # dropped): no repartition stage to hold a CPU reservation.
+            rows, first_id = (heldout_retrieval_rows(src, cfg.heldout_fraction), src.rows) if heldout else (src.rows, 0)
+            parts.append(ray.data.range(rows, override_num_blocks=-(-rows // rows_per_block)).map_batches(
+                _retrieval_messages, batch_size=None, batch_format="numpy", num_cpus=DATA_TASK_CPUS,
+                fn_kwargs=dict(src=src, tokenizer_path=tokenizer_path, first_id=first_id)))
             continue
         ds = _read(src, cfg.seed + i)
         if src.sample_count is not None:
@@ -230,6 +237,7 @@ def _messages(cfg: DataConfig, heldout: bool, tokenizer_path: str) -> ray.data.D
         ds = ds.map_batches(
             _to_messages_batch,
             batch_format="pyarrow",
+            num_cpus=DATA_TASK_CPUS,
             fn_kwargs=dict(fmt=src.format, uri=src.uri, heldout=heldout, fraction=cfg.heldout_fraction),
         ).repartition(target_num_rows_per_block=rows_per_block, strict=True)
         if src.weight is not None:
@@ -251,6 +259,7 @@ def build_datasets(cfg: DataConfig, tokenizer_path: str) -> tuple[ray.data.Datas
             _tokenize_and_pack,
             batch_size=cfg.pack_window,
             batch_format="pyarrow",
+            num_cpus=DATA_TASK_CPUS,
             fn_kwargs=dict(tokenizer_path=tokenizer_path, cfg=cfg),
         )
         ds.context.execution_options.preserve_order = True  # deterministic when executed here (the driver)
