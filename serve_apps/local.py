@@ -126,12 +126,15 @@ def check_ray_auth(config: AppConfig) -> None:
                          "--insecure-no-auth")
 
 
+LOOPBACK_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Ray's own services (GCS, raylet, agents, the metrics endpoint) on 127.0.0.1 only: Ray binds them to
+the node address, which it takes to be loopback where multi-node clusters are off. Read when Ray is
+first imported (vLLM imports it), by the endpoint's Ray and by any process that attaches to it."""
+
+
 def _ray_environment() -> None:
     """Ray settings of the local cluster, as environment variables its processes inherit."""
-    # Ray's own services (GCS, raylet, agents, the metrics endpoint) on 127.0.0.1 only: Ray binds them
-    # to the node address, which it takes to be loopback where multi-node clusters are off (read when
-    # Ray is first imported: vLLM imports it).
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.update(LOOPBACK_RAY)
     # A replica Serve kills (a failed health check, a drain past its timeout) or that crashes leaves
     # its vLLM engine-core and worker processes behind, hung ones included: the raylet kills them.
     os.environ["RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"] = "true"

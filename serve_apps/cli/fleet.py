@@ -71,9 +71,11 @@ def loopback_ray() -> None:
     import os
     import sys
 
+    from serve_apps.local import LOOPBACK_RAY
+
     if "ray" in sys.modules:
         raise RuntimeError("Ray was imported before its loopback setting was made")
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.update(LOOPBACK_RAY)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from serve_apps.local import LOOPBACK_RAY
+
 
 @dataclass(frozen=True)
 class ReplicaSample:
@@ -31,11 +33,12 @@ class ReplicaWatch:
     def __init__(self, address: str, app: str, deployment: str, period_s: float = 1.0) -> None:
         if not address:
             raise ValueError("no Ray address to watch the deployment's replicas through")
-        if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+        if any(os.environ.get(key) != value for key, value in LOOPBACK_RAY.items()):
             # Without it this process's Ray resolves the loopback address to the host's and the attach
             # times out after minutes; say why at once instead.
-            raise RuntimeError("the endpoint's Ray listens on loopback only: set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "
-                               "before Ray is first imported (serve_apps.cli.fleet.loopback_ray does) to watch it")
+            setting = " ".join(f"{key}={value}" for key, value in LOOPBACK_RAY.items())
+            raise RuntimeError(f"the endpoint's Ray listens on loopback only: set {setting} before Ray is first "
+                               "imported (`swiftkv fleet validate` does) to watch it")
         self.address, self.app, self.deployment, self.period_s = address, app, deployment, period_s
         self.samples: list[ReplicaSample] = []
         self.started = 0.0
