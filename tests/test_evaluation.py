@@ -111,6 +111,8 @@ def test_evaluation_job_runs_the_papers_tasks_and_writes_the_table(tiny, tmp_pat
             for model in ("a", "b"):
                 part = quality[name][model]
                 assert 0.0 <= part["score"] <= 1.0 and part["n"] == 2, part
+                # Each question's own score, in question order, for the gate's paired interval.
+                assert len(part["per_doc"]) == 2 and sum(part["per_doc"]) / 2 == pytest.approx(part["score"]), part
             assert quality[name]["a"]["score"] == quality[name]["b"]["score"]  # the same weights
         for model in ("a", "b"):
             # The tiny model has 1,024 positions: 4,096 is cut to fit with room for the answer (16 tokens).

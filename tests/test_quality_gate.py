@@ -59,6 +59,32 @@ def test_recovered_share_interval_widens_with_the_errors():
     assert recovered_share(quality, "distilled", "base", "rewired") is None
 
 
+def test_recovered_share_is_paired_by_question_when_the_three_scored_the_same_questions():
+    """200 questions: the rewired model gets the first 80 right, the base 120, the student 110 (the
+    rewired's and 30 of the 40 the base adds): pairing counts only the questions where they differ.
+    The interval is the delta method's over those paired differences, and far narrower than three
+    independent standard errors give."""
+    n = 200
+    docs = {"rewired": [1.0] * 80 + [0.0] * 120, "base": [1.0] * 120 + [0.0] * 80,
+            "distilled": [1.0] * 110 + [0.0] * 90}
+    quality = {"ARC-Easy": {m: {"score": sum(d) / n, "stderr": (sum(d) / n * (1 - sum(d) / n) / (n - 1)) ** 0.5,
+                                "per_doc": d} for m, d in docs.items()}}
+    paired = recovered_share(quality, "distilled", "base", "rewired")
+    assert paired["share"] == pytest.approx(0.75) and paired["paired_tasks"] == 1
+    # By hand: gained g_i = d_i - r_i (30 ones), lost l_i = b_i - r_i (40 ones), g_i = 1 implies l_i = 1.
+    var_g, var_l = (30 * 170 / n) / (n - 1) / n, (40 * 160 / n) / (n - 1) / n
+    cov = (30 - 30 * 40 / n) / (n - 1) / n
+    spread = 1.96 * (var_g + 0.75**2 * var_l - 2 * 0.75 * cov) ** 0.5 / 0.2
+    assert paired["high"] - paired["share"] == pytest.approx(spread)
+    for part in quality["ARC-Easy"].values():
+        del part["per_doc"]
+    unpaired = recovered_share(quality, "distilled", "base", "rewired")
+    assert unpaired["share"] == pytest.approx(0.75) and unpaired["paired_tasks"] == 0
+    assert paired["high"] - paired["low"] < 0.5 * (unpaired["high"] - unpaired["low"])
+    line = judge({"quality": {"ARC-Easy": {**quality["ARC-Easy"]}}}, GateConfig())["lines"][3]
+    assert "from the tasks' standard errors" in line["detail"]
+
+
 def test_the_card_carries_the_recipe_and_takes_the_gate(tmp_path):
     recipe = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "num_key_value_layers": 2, "train": {"max_steps": 8}}
     figures = {"step": 8, "heldout_kl_at_start": 0.9, "heldout_kl": 0.3, "heldout_top1_at_start": 0.4,

@@ -8,9 +8,9 @@ Lines, each PASS or FAIL, judged on one checkpoint (``model``):
   PASS when at least ``min_share`` of the base's.
 - **recall across turns**: the same, over every gap of the multi-turn recall probe.
 - **recovered share** (when the table has ``base`` and ``rewired`` columns): over the tasks where
-  all three have scores, ``sum(model - rewired) / sum(base - rewired)``, with a 95% interval from the
-  tasks' standard errors (delta method; the rewired scores are shared by numerator and
-  denominator): PASS when the estimate is at least ``min_recovered``.
+  all three have scores, ``sum(model - rewired) / sum(base - rewired)``, with a 95% interval (delta
+  method) from the question-by-question differences where the three scored the same questions, else
+  from the tasks' standard errors: PASS when the estimate is at least ``min_recovered``.
 
 The verdict is PASS only when every line that could be judged passes; a line without data says so.
 """
@@ -66,12 +66,42 @@ def recovered_share(quality: dict[str, dict[str, Any]], model: str, base: str, r
     lost = sum(r[base]["score"] - r[rewired]["score"] for r in rows)
     if lost <= 0:
         return None
-    var = {m: sum((r[m].get("stderr") or 0.0) ** 2 for r in rows) for m in (model, base, rewired)}
     share = gained / lost
-    # Var(a/b) ~ (Var a + share^2 Var b - 2 share Cov(a, b)) / b^2, a and b sharing the rewired scores.
-    var_gained, var_lost, cov = var[model] + var[rewired], var[base] + var[rewired], var[rewired]
+    moments = [_paired_moments(r[model], r[base], r[rewired]) for r in rows]
+    var_gained, var_lost, cov = (sum(m[i] for m in moments) for i in range(3))
+    # Var(a/b) ~ (Var a + share^2 Var b - 2 share Cov(a, b)) / b^2.
     spread = 1.96 * math.sqrt(max(var_gained + share**2 * var_lost - 2 * share * cov, 0.0)) / lost
-    return {"share": share, "low": share - spread, "high": share + spread, "tasks": len(rows)}
+    paired = sum(1 for m in moments if m[3])
+    return {"share": share, "low": share - spread, "high": share + spread, "tasks": len(rows), "paired_tasks": paired}
+
+
+def _paired_moments(model: dict[str, Any], base: dict[str, Any], rewired: dict[str, Any]
+                    ) -> tuple[float, float, float, bool]:
+    """``(Var gained, Var lost, Cov, paired)`` of one task's ``model - rewired`` and ``base - rewired``.
+    Question by question when the three scored the same questions (``per_doc``): the three models'
+    answers to one question are correlated, and pairing removes the spread between questions, which
+    three independent standard errors count three times. Otherwise from the standard errors, the
+    rewired scores shared by both differences."""
+    docs = [part.get("per_doc") for part in (model, base, rewired)]
+    n = len(docs[0] or [])
+    if n > 1 and all(d is not None and len(d) == n for d in docs):
+        gained = [m - r for m, r in zip(docs[0], docs[2], strict=True)]
+        lost = [b - r for b, r in zip(docs[1], docs[2], strict=True)]
+        mean_g, mean_l = sum(gained) / n, sum(lost) / n
+        var_g = sum((g - mean_g) ** 2 for g in gained) / (n - 1)
+        var_l = sum((x - mean_l) ** 2 for x in lost) / (n - 1)
+        cov = sum((g - mean_g) * (x - mean_l) for g, x in zip(gained, lost, strict=True)) / (n - 1)
+        return var_g / n, var_l / n, cov / n, True
+    se = {name: (part.get("stderr") or 0.0) ** 2 for name, part in (("m", model), ("b", base), ("r", rewired))}
+    return se["m"] + se["r"], se["b"] + se["r"], se["r"], False
+
+
+def _pairing(share: dict[str, Any]) -> str:
+    if share["paired_tasks"] == share["tasks"]:
+        return "paired by question"
+    if share["paired_tasks"] == 0:
+        return "from the tasks' standard errors"
+    return f"paired by question on {share['paired_tasks']} of the tasks"
 
 
 def judge(results: dict[str, Any], cfg: GateConfig) -> dict[str, Any]:
@@ -101,8 +131,8 @@ def judge(results: dict[str, Any], cfg: GateConfig) -> dict[str, Any]:
         else:
             lines.append({"line": "recovered share", "value": share["share"],
                           "verdict": "PASS" if share["share"] >= cfg.min_recovered else "FAIL",
-                          "detail": f"{share['share']:.2f} (95% CI {share['low']:.2f} to {share['high']:.2f}) over "
-                                    f"{share['tasks']} tasks, bar {cfg.min_recovered:.2f}"})
+                          "detail": f"{share['share']:.2f} (95% CI {share['low']:.2f} to {share['high']:.2f}, "
+                                    f"{_pairing(share)}) over {share['tasks']} tasks, bar {cfg.min_recovered:.2f}"})
     judged = [line["verdict"] for line in lines if line["verdict"] in ("PASS", "FAIL")]
     verdict = "PASS" if judged and all(v == "PASS" for v in judged) else "FAIL"
     return {"model": cfg.model, "verdict": verdict, "lines": lines}

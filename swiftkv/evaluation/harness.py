@@ -36,15 +36,29 @@ def _number(value: Any) -> float | None:
 
 
 def extract_score(results: dict[str, Any], spec: TaskSpec) -> dict[str, Any]:
-    """``{"score", "stderr", "n"}`` of ``spec``'s metric from ``simple_evaluate``'s results (a group's
-    score is lm-eval's own aggregate over its subtasks; ``n`` counts every document scored)."""
+    """``{"score", "stderr", "n", "per_doc"}`` of ``spec``'s metric from ``simple_evaluate``'s results (a
+    group's score is lm-eval's own aggregate over its subtasks; ``n`` counts every document scored;
+    ``per_doc`` is each document's value, when lm-eval's samples carry it)."""
     row = results["results"][spec.task]
     key = f"{spec.metric},{spec.filter}"
     if key not in row:
         reported = sorted(k for k in row if "," in k and "_stderr" not in k)
         raise ValueError(f"lm-eval reported no {key!r} for {spec.task} (it reported {reported})")
     n = sum(int(v["effective"]) for v in results["n-samples"].values())
-    return {"score": _number(row[key]), "stderr": _number(row.get(f"{spec.metric}_stderr,{spec.filter}")), "n": n}
+    score = {"score": _number(row[key]), "stderr": _number(row.get(f"{spec.metric}_stderr,{spec.filter}")), "n": n}
+    per_doc = _per_doc(results.get("samples") or {}, spec)
+    return {**score, "per_doc": per_doc} if per_doc is not None else score
+
+
+def _per_doc(samples: dict[str, list[dict[str, Any]]], spec: TaskSpec) -> list[float] | None:
+    """Each document's metric, ordered by (task, document id): the same questions in the same order
+    for every model scored with the same task and limit, so that two models can be compared question
+    by question (``gate.recovered_share``). ``None`` when a sample does not carry the metric."""
+    rows = [(task, s["doc_id"], s.get(spec.metric)) for task, task_samples in sorted(samples.items())
+            for s in task_samples if s.get("filter", spec.filter) == spec.filter]
+    if not rows or any(_number(value) is None for *_, value in rows):
+        return None
+    return [float(value) for *_, value in sorted(rows, key=lambda r: (r[0], r[1]))]
 
 
 def evaluate_one(model_ref: str, spec: TaskSpec, cfg: EvalConfig) -> dict[str, Any]:
@@ -73,7 +87,7 @@ def evaluate_one(model_ref: str, spec: TaskSpec, cfg: EvalConfig) -> dict[str, A
             results = simple_evaluate(
                 model=lm, tasks=[spec.task], num_fewshot=spec.num_fewshot, limit=limit, task_manager=manager,
                 apply_chat_template=cfg.apply_chat_template, fewshot_as_multiturn=cfg.apply_chat_template,
-                gen_kwargs=gen_kwargs, log_samples=False, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
+                gen_kwargs=gen_kwargs, log_samples=True, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
                 torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed, bootstrap_iters=1000,
             )
         finally:
