@@ -71,8 +71,8 @@ def recovered_share(quality: dict[str, dict[str, Any]], model: str, base: str, r
     var_gained, var_lost, cov = (sum(m[i] for m in moments) for i in range(3))
     # Var(a/b) ~ (Var a + share^2 Var b - 2 share Cov(a, b)) / b^2.
     spread = 1.96 * math.sqrt(max(var_gained + share**2 * var_lost - 2 * share * cov, 0.0)) / lost
-    paired = sum(1 for m in moments if m[3])
-    return {"share": share, "low": share - spread, "high": share + spread, "tasks": len(rows), "paired_tasks": paired}
+    return {"share": share, "low": share - spread, "high": share + spread, "tasks": len(rows),
+            "paired_tasks": sum(m[3] for m in moments)}
 
 
 def _paired_moments(model: dict[str, Any], base: dict[str, Any], rewired: dict[str, Any]
@@ -92,8 +92,8 @@ def _paired_moments(model: dict[str, Any], base: dict[str, Any], rewired: dict[s
         var_l = sum((x - mean_l) ** 2 for x in lost) / (n - 1)
         cov = sum((g - mean_g) * (x - mean_l) for g, x in zip(gained, lost, strict=True)) / (n - 1)
         return var_g / n, var_l / n, cov / n, True
-    se = {name: (part.get("stderr") or 0.0) ** 2 for name, part in (("m", model), ("b", base), ("r", rewired))}
-    return se["m"] + se["r"], se["b"] + se["r"], se["r"], False
+    var_m, var_b, var_r = ((part.get("stderr") or 0.0) ** 2 for part in (model, base, rewired))
+    return var_m + var_r, var_b + var_r, var_r, False
 
 
 def _pairing(share: dict[str, Any]) -> str:
