@@ -78,7 +78,7 @@ class ReplicaWatch:
             if self.counts() == (replicas, 0):
                 return time.monotonic() - began
             time.sleep(self.period_s)
-        raise TimeoutError(f"the deployment did not come back to {replicas} replicas within {timeout_s:.0f} s "
+        raise TimeoutError(f"the deployment did not reach {replicas} replicas within {timeout_s:.0f} s "
                            f"(now {self.counts()[0]} running)")
 
     def starting_unix(self) -> list[tuple[float, float]]:

@@ -106,6 +106,12 @@ class ValidateConfig(StrictConfig):
     steps of their full token budget before the timed replay starts. The host's CPUs are recorded
     meanwhile: the serving side of the shared-host slowdown."""
 
+    warmup_at_max_replicas: bool = True
+    """With ``autoscaling``: once the warm-up has scaled the deployment up to ``max_replicas``, replay
+    the warm-up's requests once more (other tokens) and measure the serving side of the shared-host
+    slowdown on that round. In the first round the scale-up overlaps the burst that caused it, which
+    leaves few or no periods with every replica serving and the host full."""
+
     arrival_orders: int = Field(default=60, ge=0)
     """Also simulate the slice this many times with each group of simultaneous arrivals (``tie_s``) in
     a random order, for the spread of the simulated percentiles that the order alone makes."""
@@ -337,6 +343,18 @@ def replay_passes(url: str, model: str, trace: Trace, cfg: ValidateConfig, host:
     return passes
 
 
+def warmup_at_full_size(url: str, model: str, warmup: Trace, cfg: ValidateConfig, watch: ReplicaWatch) -> HostLoad:
+    """The warm-up's second round, on the deployment at ``max_replicas`` (waited for, bounded by
+    ``scale_down_timeout_s``), the host's CPUs recorded meanwhile."""
+    replicas = cfg.autoscaling.max_replicas
+    print(f"waiting for the deployment to run {replicas} replicas for the warm-up's second round", flush=True)
+    waited = watch.wait_for_running(replicas, cfg.scale_down_timeout_s)
+    print(f"at {replicas} after {waited:.0f} s; warm-up round 2 ({len(warmup.requests)} requests)", flush=True)
+    with HostLoad() as host:
+        replay(url, model, warmup, PROMPT_VOCAB, cfg.request_timeout_s, salt=2 * WARMUP_SALT)
+    return host
+
+
 def _back_to_min(watch: ReplicaWatch, cfg: ValidateConfig) -> None:
     replicas = cfg.autoscaling.min_replicas
     print(f"waiting for the deployment to be back at {replicas} replica(s)", flush=True)
@@ -456,9 +474,11 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any]:
         calibration_cores = calibration_host.summary(figures.timed_unix)  # {} when not measured here
         warmup_host, warmup_cores = HostLoad(), {}
         if cfg.warmup_requests:
+            warmup = window(trace, limit=cfg.warmup_requests)
             with warmup_host:
-                replay(url, model, window(trace, limit=cfg.warmup_requests), PROMPT_VOCAB, cfg.request_timeout_s,
-                       salt=WARMUP_SALT)
+                replay(url, model, warmup, PROMPT_VOCAB, cfg.request_timeout_s, salt=WARMUP_SALT)
+            if watch is not None and cfg.warmup_at_max_replicas:
+                warmup_host = warmup_at_full_size(url, model, warmup, cfg, watch)
             warmup_end, warmup_cores = time.time(), warmup_host.summary()
         starting: list[tuple[float, float]] = []
         if cfg.measure:
