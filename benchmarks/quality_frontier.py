@@ -215,8 +215,7 @@ def format_frontier(rows: list[dict[str, Any]]) -> str:
 
 def _gate_cell(gate: dict[str, Any]) -> str:
     share = next((line for line in gate["lines"] if line["line"] == "recovered share"), None)
-    detail = share["detail"].split(" over ")[0] if share and "value" in share else "n/a"
-    return f"**{gate['verdict']}** ({detail})"
+    return f"**{gate['verdict']}** ({share.get('summary', 'n/a') if share else 'n/a'})"
 
 
 def plot_frontier(rows: list[dict[str, Any]]) -> bytes:

@@ -56,7 +56,25 @@ def test_recovered_share_interval_widens_with_the_errors():
     assert wide["high"] - wide["low"] == pytest.approx(3 * (tight["high"] - tight["low"]))
     for parts in quality.values():  # the rewiring lost nothing: no share to speak of
         parts["rewired"]["score"] = parts["base"]["score"]
-    assert recovered_share(quality, "distilled", "base", "rewired") is None
+    assert recovered_share(quality, "distilled", "base", "rewired")["share"] is None
+
+
+def test_a_rewiring_that_loses_nothing_measurable_sets_the_model_against_the_base():
+    """The copy start 1 point below the base on each task, within the tasks' noise: a share of that
+    loss means nothing (it came out -0.75, 95% CI -6 to 5, on a real run at c = 23). The line then
+    asks whether the model is below the base beyond its interval: n/a when not, FAIL when so."""
+    quality = {task: {"base": {"score": 0.60, "stderr": 0.05}, "rewired": {"score": 0.59, "stderr": 0.05},
+                      "distilled": {"score": 0.595, "stderr": 0.05}} for task in ("ARC-Easy", "PIQA")}
+    share = recovered_share(quality, "distilled", "base", "rewired")
+    assert share["share"] is None and share["lost_low"] < 0 < share["lost"] == pytest.approx(0.02)
+    line = judge({"quality": quality}, GateConfig())["lines"][3]
+    assert line["verdict"] == "n/a" and line["value"] == pytest.approx(-0.5)
+    assert line["detail"].startswith("no measurable loss to recover: the copy start is 1.0 points per task below")
+    for parts in quality.values():  # now the distilled model falls 30 points below the base
+        parts["distilled"]["score"] = 0.30
+    gate = judge({"quality": quality}, GateConfig())
+    assert gate["lines"][3]["verdict"] == "FAIL" and "below the base" in gate["lines"][3]["detail"]
+    assert gate["verdict"] == "FAIL"
 
 
 def test_recovered_share_is_paired_by_question_when_the_three_scored_the_same_questions():

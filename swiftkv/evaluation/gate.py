@@ -10,7 +10,10 @@ Lines, each PASS or FAIL, judged on one checkpoint (``model``):
 - **recovered share** (when the table has ``base`` and ``rewired`` columns): over the tasks where
   all three have scores, ``sum(model - rewired) / sum(base - rewired)``, with a 95% interval (delta
   method) from the question-by-question differences where the three scored the same questions, else
-  from the tasks' standard errors: PASS when the estimate is at least ``min_recovered``.
+  from the tasks' standard errors: PASS when the estimate is at least ``min_recovered``. When the
+  rewiring's own loss is not measurable (its 95% interval reaches zero) the share means nothing;
+  the line then sets the model against the base instead: FAIL when it is below the base beyond its
+  interval, else ``n/a`` (nothing to recover at these n).
 
 The verdict is PASS only when every line that could be judged passes; a line without data says so.
 """
@@ -57,22 +60,29 @@ def _share_line(name: str, exact: float, base: float, n: int, bar: float) -> dic
 
 
 def recovered_share(quality: dict[str, dict[str, Any]], model: str, base: str, rewired: str) -> dict[str, Any] | None:
-    """``{"share", "low", "high", "tasks"}`` over the tasks where the three columns have scores, or
-    ``None`` when there is none or the rewiring costs nothing on them."""
+    """Over the tasks where the three columns have scores (``None`` when there is none):
+    ``lost`` (``base - rewired``, summed over the tasks, with ``lost_low``/``lost_high``), ``gap``
+    (``model - base``, likewise), ``tasks``, ``paired_tasks``, and ``share``/``low``/``high`` when the
+    loss is measurable (its interval above zero), else ``share`` None."""
     rows = [parts for parts in quality.values() if all("score" in (parts.get(m) or {}) for m in (model, base, rewired))]
     if not rows:
         return None
     gained = sum(r[model]["score"] - r[rewired]["score"] for r in rows)
     lost = sum(r[base]["score"] - r[rewired]["score"] for r in rows)
-    if lost <= 0:
-        return None
-    share = gained / lost
     moments = [_paired_moments(r[model], r[base], r[rewired]) for r in rows]
     var_gained, var_lost, cov = (sum(m[i] for m in moments) for i in range(3))
+    lost_spread = 1.96 * math.sqrt(var_lost)
+    # model - base = gained - lost.
+    gap_spread = 1.96 * math.sqrt(max(var_gained + var_lost - 2 * cov, 0.0))
+    out = {"tasks": len(rows), "paired_tasks": sum(m[3] for m in moments), "share": None,
+           "lost": lost, "lost_low": lost - lost_spread, "lost_high": lost + lost_spread,
+           "gap": gained - lost, "gap_low": gained - lost - gap_spread, "gap_high": gained - lost + gap_spread}
+    if out["lost_low"] <= 0:
+        return out
+    share = gained / lost
     # Var(a/b) ~ (Var a + share^2 Var b - 2 share Cov(a, b)) / b^2.
     spread = 1.96 * math.sqrt(max(var_gained + share**2 * var_lost - 2 * share * cov, 0.0)) / lost
-    return {"share": share, "low": share - spread, "high": share + spread, "tasks": len(rows),
-            "paired_tasks": sum(m[3] for m in moments)}
+    return {**out, "share": share, "low": share - spread, "high": share + spread}
 
 
 def _paired_moments(model: dict[str, Any], base: dict[str, Any], rewired: dict[str, Any]
@@ -104,6 +114,20 @@ def _pairing(share: dict[str, Any]) -> str:
     return f"paired by question on {share['paired_tasks']} of the tasks"
 
 
+def _nothing_to_recover(share: dict[str, Any]) -> dict[str, Any]:
+    """The recovered-share line when the rewiring's loss is within its noise: the model against the
+    base, in points per task."""
+    k = 100 / share["tasks"]
+    below = share["gap_high"] < 0
+    return {"line": "recovered share", "verdict": "FAIL" if below else "n/a", "value": share["gap"] * k,
+            "summary": f"no loss to recover; {share['gap'] * k:+.1f} points vs the base",
+            "detail": f"no measurable loss to recover: the copy start is {share['lost'] * k:.1f} points per task "
+                      f"below the base (95% CI {share['lost_low'] * k:.1f} to {share['lost_high'] * k:.1f}); "
+                      f"this model {share['gap'] * k:+.1f} (95% CI {share['gap_low'] * k:+.1f} to "
+                      f"{share['gap_high'] * k:+.1f}){', below the base' if below else ''}, {_pairing(share)}, "
+                      f"over {share['tasks']} tasks"}
+
+
 def judge(results: dict[str, Any], cfg: GateConfig) -> dict[str, Any]:
     """``{"verdict", "lines": [{"line", "verdict", "value", "detail"}]}`` for the evaluation's results."""
     from swiftkv.evaluation.answer_scoring import pool
@@ -127,12 +151,14 @@ def judge(results: dict[str, Any], cfg: GateConfig) -> dict[str, Any]:
         share = recovered_share(results.get("quality", {}), cfg.model, cfg.base, cfg.rewired)
         if share is None:
             lines.append({"line": "recovered share", "verdict": "n/a",
-                          "detail": "no task scored for all three models, or the rewiring lost nothing"})
+                          "detail": "no task scored for all three models"})
+        elif share["share"] is None:
+            lines.append(_nothing_to_recover(share))
         else:
+            summary = f"{share['share']:.2f} (95% CI {share['low']:.2f} to {share['high']:.2f}, {_pairing(share)})"
             lines.append({"line": "recovered share", "value": share["share"],
-                          "verdict": "PASS" if share["share"] >= cfg.min_recovered else "FAIL",
-                          "detail": f"{share['share']:.2f} (95% CI {share['low']:.2f} to {share['high']:.2f}, "
-                                    f"{_pairing(share)}) over {share['tasks']} tasks, bar {cfg.min_recovered:.2f}"})
+                          "verdict": "PASS" if share["share"] >= cfg.min_recovered else "FAIL", "summary": summary,
+                          "detail": f"{summary} over {share['tasks']} tasks, bar {cfg.min_recovered:.2f}"})
     judged = [line["verdict"] for line in lines if line["verdict"] in ("PASS", "FAIL")]
     verdict = "PASS" if judged and all(v == "PASS" for v in judged) else "FAIL"
     return {"model": cfg.model, "verdict": verdict, "lines": lines}
