@@ -119,7 +119,8 @@ def _nothing_to_recover(share: dict[str, Any]) -> dict[str, Any]:
     base, in points per task."""
     k = 100 / share["tasks"]
     below = share["gap_high"] < 0
-    return {"line": "recovered share", "verdict": "FAIL" if below else "n/a", "value": share["gap"] * k,
+    # No "value": on the other lines it is the figure set against the bar, and here there is no bar.
+    return {"line": "recovered share", "verdict": "FAIL" if below else "n/a",
             "summary": f"no loss to recover; {share['gap'] * k:+.1f} points vs the base",
             "detail": f"no measurable loss to recover: the copy start is {share['lost'] * k:.1f} points per task "
                       f"below the base (95% CI {share['lost_low'] * k:.1f} to {share['lost_high'] * k:.1f}); "
