@@ -32,8 +32,9 @@ class AnswerScore:
     exact: bool
 
 
-def _score(model, hidden: torch.Tensor, answer: list[int]) -> AnswerScore:
-    """Scores from the final hidden states of the last ``len(answer) + 1`` positions."""
+def score_hidden(model, hidden: torch.Tensor, answer: list[int]) -> AnswerScore:
+    """The answer's scores from the final hidden states of the last ``len(answer) + 1`` positions
+    (the prompt's last token, then the answer's)."""
     logits = model.get_output_embeddings()(hidden[:-1]).float()
     logprobs = torch.log_softmax(logits, -1)
     target = torch.tensor(answer)
@@ -48,7 +49,8 @@ def score_answer(model, prompt: list[int], answer: list[int]) -> dict[str, Answe
     ids = torch.tensor([prompt + answer])
     keep = slice(len(prompt) - 1, None)
     if not hasattr(model, "swiftkv"):
-        out = _score(model, model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, keep], answer)
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        out = score_hidden(model, hidden[0, keep], answer)
         return {"model": out, "base": out}
     decoder = model.get_decoder()
     state = decoder(input_ids=ids, swiftkv_layers="to_cutoff", use_cache=False).last_hidden_state
@@ -56,7 +58,7 @@ def score_answer(model, prompt: list[int], answer: list[int]) -> dict[str, Answe
     for name, student in (("base", False), ("model", True)):
         model.swiftkv(student)
         hidden = decoder(inputs_embeds=state, swiftkv_layers="from_cutoff", use_cache=False).last_hidden_state
-        scores[name] = _score(model, hidden[0, keep], answer)
+        scores[name] = score_hidden(model, hidden[0, keep], answer)
     return scores
 
 
