@@ -2,11 +2,12 @@
 
     python -m benchmarks.retrieval_layers --set model=artifacts/frontier/swiftkv-c15/step_00000060/model
 
-On the evaluation's needle prompts (``swiftkv.evaluation.needle``, same seed: the same prompts), the
+On the evaluation's needle prompts (``swiftkv.evaluation.needle``; the very prompts of a probe with the
+same seed and lengths: the longest length sets the filler's span the prompts are drawn from), the
 student is scored teacher-forced on the number as the needle probe does, and again with the teacher's
 own K/V (each layer's ``k_proj``/``v_proj`` on its own input, as without SwiftKV) put in place of the
 SwiftKV K/V of chosen layers: one layer at a time (``layer j``), and the first layers after the cutoff
-together (``layers c..k``, what a deeper cutoff would keep exact). Queries and everything else stay the
+together (``layers c..k``: the K/V a cutoff at k + 1 keeps exact). Queries and everything else stay the
 student's. A layer whose own K/V bring the needle back is one whose keys the cutoff state cannot
 carry. ``retrieval_layers.json`` and ``retrieval_layers.md`` land in ``out``. Dense families without
 AcrossKV (every layer after the cutoff its own group leader).
@@ -43,7 +44,7 @@ class RetrievalLayersConfig(StrictConfig):
     """``essays`` or ``squad`` (``swiftkv.evaluation.needle``)."""
 
     seed: int = 1234
-    """The needle probe's seed: the same seed, lengths and depths give the evaluation's prompts."""
+    """The needle probe's seed: the same seed, lengths, depths and samples give the probe's prompts."""
 
     out: str = "artifacts/retrieval-layers"
     """Output folder."""
@@ -105,7 +106,7 @@ def run(cfg: RetrievalLayersConfig) -> dict:
         raise ValueError(f"{cfg.model}: a SwiftKV checkpoint without AcrossKV is needed")
     variants = replacement_variants(config.num_key_value_layers, config.num_hidden_layers)
     prompts = NeedlePrompts(tokenizer, filler_text(cfg.filler), max(cfg.lengths))
-    rng = random.Random(cfg.seed)  # drawn in the needle probe's order: the same prompts
+    rng = random.Random(cfg.seed)  # drawn in the needle probe's order
     per_length: dict[int, list[dict[str, tuple[float, bool]]]] = {}
     with tqdm(total=len(cfg.lengths) * len(cfg.depths) * cfg.samples, desc="needle prompts", unit="prompt") as bar:
         for length in sorted(cfg.lengths):
