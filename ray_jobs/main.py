@@ -39,9 +39,9 @@ DEFAULT_PROMPTS = [
 ]
 
 FULL = {"distill": ["train.max_steps=20", "train.eval_every_steps=null", "init.calibration_rows=16"]}
-"""The job's own sizes before the configured overrides: 20 of the CPU recipe's 60 steps (at c = 18 the
-model retrieves as its base does by step 20), the least-squares start fitted on 16 rows, so that the
-whole job fits in about 25 minutes on two cores."""
+"""The job's own sizes before the configured overrides: 20 of the CPU recipe's 60 steps and the
+least-squares start fitted on 16 rows, so that the whole job fits in about 25 minutes on two cores
+(the gate at the job's end says what these steps reached)."""
 
 QUICK_MAX_SEQ_LEN = 512
 """Quick mode's longest training row (the retrieval chats included): the least-squares fit and the

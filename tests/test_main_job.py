@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from ray_jobs.main import main
+from ray_jobs.main import MainConfig, main
 from tests.serve_cluster import CACHE, engine_processes
 
 MODELS = ("base", "rewired", "distilled")
@@ -44,7 +45,8 @@ def check_quick_report(out: Path) -> None:
     # The shipped recipe's cutoff (the deepest that passes the gate here); SimScore's suggestion beside it.
     assert report["quick"] and report["cutoff"]["source"] == "the recipe's num_key_value_layers"
     c = report["cutoff"]["num_key_value_layers"]
-    assert c == 18 and 0 < report["cutoff"]["simscore_recommended"] < report["num_layers"]
+    recipe = yaml.safe_load((Path(__file__).resolve().parents[1] / MainConfig().distill).read_text())
+    assert c == recipe["num_key_value_layers"] and 0 < report["cutoff"]["simscore_recommended"] < report["num_layers"]
     assert json.loads((out / "rewired/config.json").read_text())["num_key_value_layers"] == c
     d = report["distill"]
     assert d["steps"] == 4 and d["heldout_kl"] < d["heldout_kl_at_start"]  # distillation moved toward the teacher
