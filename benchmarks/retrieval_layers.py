@@ -110,10 +110,10 @@ def run(cfg: RetrievalLayersConfig) -> dict:
     per_length: dict[int, list[dict[str, tuple[float, bool]]]] = {}
     with tqdm(total=len(cfg.lengths) * len(cfg.depths) * cfg.samples, desc="needle prompts", unit="prompt") as bar:
         for length in sorted(cfg.lengths):
-            for _depth in cfg.depths:
+            for depth in cfg.depths:
                 for _ in range(cfg.samples):
                     key, number = rng.choice(KEYS), str(rng.randrange(1_000_000, 10_000_000))
-                    sample = prompts.build(length, _depth, key, number, rng)
+                    sample = prompts.build(length, depth, key, number, rng)
                     per_length.setdefault(length, []).append(score_prompt(model, *sample, variants))
                     bar.update()
     table = {
