@@ -16,9 +16,7 @@ AcrossKV (every layer after the cutoff its own group leader).
 from __future__ import annotations
 
 import json
-import random
 import statistics
-from pathlib import Path
 
 import torch
 from pydantic import Field
@@ -97,25 +95,21 @@ def score_prompt(
 def run(cfg: RetrievalLayersConfig) -> dict:
     from tqdm import tqdm
 
-    from swiftkv.evaluation.needle import KEYS, NeedlePrompts, filler_text
+    from swiftkv.evaluation.needle import needle_samples
     from swiftkv.inference import load_chat_model
+    from swiftkv.outputs import write_files
 
     model, tokenizer = load_chat_model(cfg.model)
     config = model.config
     if not hasattr(model, "swiftkv") or getattr(config, "key_value_group_size", 1) != 1:
         raise ValueError(f"{cfg.model}: a SwiftKV checkpoint without AcrossKV is needed")
     variants = replacement_variants(config.num_key_value_layers, config.num_hidden_layers)
-    prompts = NeedlePrompts(tokenizer, filler_text(cfg.filler), max(cfg.lengths))
-    rng = random.Random(cfg.seed)  # drawn in the needle probe's order
+    lengths = sorted(cfg.lengths)
     per_length: dict[int, list[dict[str, tuple[float, bool]]]] = {}
-    with tqdm(total=len(cfg.lengths) * len(cfg.depths) * cfg.samples, desc="needle prompts", unit="prompt") as bar:
-        for length in sorted(cfg.lengths):
-            for depth in cfg.depths:
-                for _ in range(cfg.samples):
-                    key, number = rng.choice(KEYS), str(rng.randrange(1_000_000, 10_000_000))
-                    sample = prompts.build(length, depth, key, number, rng)
-                    per_length.setdefault(length, []).append(score_prompt(model, *sample, variants))
-                    bar.update()
+    needles = needle_samples(tokenizer, cfg.filler, lengths, cfg.depths, cfg.samples, cfg.seed)
+    for length, _depth, prompt, answer in tqdm(needles, total=len(lengths) * len(cfg.depths) * cfg.samples,
+                                               desc="needle prompts", unit="prompt"):
+        per_length.setdefault(length, []).append(score_prompt(model, prompt, answer, variants))
     table = {
         name: {length: {"exact": statistics.fmean(s[name][1] for s in samples),
                         "logprob_vs_base": statistics.fmean(s[name][0] - s["base"][0] for s in samples),
@@ -123,17 +117,14 @@ def run(cfg: RetrievalLayersConfig) -> dict:
                for length, samples in per_length.items()}
         for name in ["base", *variants]
     }
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"model": cfg.model, "cutoff": config.num_key_value_layers, "variants": table}
-    (out / "retrieval_layers.json").write_text(json.dumps(result, indent=1))
-    lengths = sorted(per_length)
     head = " | ".join(f"{n} tokens: retrieved, log-prob vs base" for n in lengths)
     lines = [f"| SwiftKV K/V replaced by the layer's own | {head} |", "|---" * (1 + len(lengths)) + "|"]
     for name, cells in table.items():
         row = " | ".join(f"{cells[n]['exact']:.0%} ({cells[n]['logprob_vs_base']:+.1f})" for n in lengths)
         lines.append(f"| {name} | {row} |")
-    (out / "retrieval_layers.md").write_text("\n".join(lines) + "\n")
+    write_files(cfg.out, {"retrieval_layers.json": json.dumps(result, indent=1).encode(),
+                          "retrieval_layers.md": ("\n".join(lines) + "\n").encode()})
     print("\n".join(lines))
     return result
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -83,6 +84,20 @@ class NeedlePrompts:
 ANSWER_ROOM = 16  # tokens kept free after the prompt for the number (7 digits)
 
 
+def needle_samples(
+    tokenizer, filler: str, lengths: list[int], depths: list[float], samples: int, seed: int
+) -> Iterator[tuple[int, float, list[int], list[int]]]:
+    """``(length, depth, prompt, answer)`` for ``samples`` needles per (length, depth), lengths in
+    order; the same arguments give the same prompts (the longest length sets the filler's span)."""
+    prompts = NeedlePrompts(tokenizer, filler_text(filler), max(lengths))
+    rng = random.Random(seed)
+    for length in lengths:
+        for depth in depths:
+            for _ in range(samples):
+                key, number = rng.choice(KEYS), str(rng.randrange(1_000_000, 10_000_000))
+                yield length, depth, *prompts.build(length, depth, key, number, rng)
+
+
 def run_needle(model_path: str, cfg: NeedleConfig, dtype: str = "float32", seed: int = 1234) -> dict[str, Any]:
     """Retrieval figures per (length, depth) for one checkpoint (``answer_scoring.summarise``)."""
     from tqdm import tqdm
@@ -90,18 +105,12 @@ def run_needle(model_path: str, cfg: NeedleConfig, dtype: str = "float32", seed:
     model, tokenizer = load_chat_model(model_path, dtype)
     limit = int(model.config.max_position_embeddings) - ANSWER_ROOM
     lengths = sorted({min(length, limit) for length in cfg.lengths})
-    prompts = NeedlePrompts(tokenizer, filler_text(cfg.filler), max(lengths))
-    rng = random.Random(seed)
-    cells = []
-    with tqdm(total=len(lengths) * len(cfg.depths) * cfg.samples, desc=f"needle {model_path}", unit="prompt") as bar:
-        for length in lengths:
-            for depth in cfg.depths:
-                scores = []
-                for _ in range(cfg.samples):
-                    key, number = rng.choice(KEYS), str(rng.randrange(1_000_000, 10_000_000))
-                    scores.append(score_answer(model, *prompts.build(length, depth, key, number, rng)))
-                    bar.update()
-                cells.append({"length": length, "depth": depth, **summarise(scores)})
+    scores: dict[tuple[int, float], list] = {}
+    needles = needle_samples(tokenizer, cfg.filler, lengths, cfg.depths, cfg.samples, seed)
+    for length, depth, prompt, answer in tqdm(needles, total=len(lengths) * len(cfg.depths) * cfg.samples,
+                                              desc=f"needle {model_path}", unit="prompt"):
+        scores.setdefault((length, depth), []).append(score_answer(model, prompt, answer))
+    cells = [{"length": length, "depth": depth, **summarise(cell)} for (length, depth), cell in scores.items()]
     return {"cells": cells, "filler": cfg.filler, "context": limit + ANSWER_ROOM}
 
 
