@@ -206,6 +206,13 @@ def test_cli_prints_and_writes_json(tmp_path, capsys):
     assert report["kv_cache_reduction"] == pytest.approx(1 - 50 / 80 / 2)
 
 
+def test_bundled_model_is_accepted_as_everywhere_else():
+    # The bundled SmolLM2-135M-Instruct: 30 layers; 17 of them run for a prompt at c = 17.
+    report = flops_report(load_config("bundled"), 2048, 17)
+    assert report["num_key_value_layers"] == 17
+    assert 0.5 < report["predicted_prefill_ratio"] < 17 / 30 + 0.05
+
+
 def test_reads_swiftkv_layout_from_a_swiftkv_config(tmp_path):
     config = tiny_config("qwen2", num_hidden_layers=6, num_key_value_layers=4, key_value_group_size=2)
     config.save_pretrained(tmp_path)

@@ -45,9 +45,14 @@ BASE_KV_CACHE_DTYPE = "bf16"
 
 
 def load_config(spec: str | Path):
-    """A transformers config from a ``config.json`` path, a model folder or a hub id (offline: cached)."""
+    """A transformers config from a ``config.json`` path, a model folder, a hub id (offline: cached)
+    or ``bundled`` / ``bundled-swiftkv``, as every other command's model argument."""
     from transformers import AutoConfig
 
+    from swiftkv.model_source import BUNDLED, BUNDLED_SWIFTKV, resolve_model
+
+    if str(spec) in (BUNDLED, BUNDLED_SWIFTKV):
+        spec = resolve_model(spec)
     if str(spec).endswith(".json") and not Path(spec).is_file():
         raise FileNotFoundError(f"config file {spec} does not exist")
     try:

@@ -35,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--seq-len tokens; the paper's Llama-3.1-70B table corresponds to --seq-len 122880."
         ),
     )
-    parser.add_argument("config", help="config.json path, model folder, or (cached) hub id")
+    parser.add_argument("config", help="config.json path, model folder, (cached) hub id, or bundled / bundled-swiftkv")
     parser.add_argument("--seq-len", type=int, required=True, help="prompt length in tokens")
     layout = parser.add_mutually_exclusive_group()
     layout.add_argument(
