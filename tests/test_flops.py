@@ -206,11 +206,11 @@ def test_cli_prints_and_writes_json(tmp_path, capsys):
     assert report["kv_cache_reduction"] == pytest.approx(1 - 50 / 80 / 2)
 
 
-def test_bundled_model_is_accepted_as_everywhere_else():
-    # The bundled SmolLM2-135M-Instruct: 30 layers; 17 of them run for a prompt at c = 17.
-    report = flops_report(load_config("bundled"), 2048, 17)
-    assert report["num_key_value_layers"] == 17
-    assert 0.5 < report["predicted_prefill_ratio"] < 17 / 30 + 0.05
+def test_flops_reads_the_bundled_model_names():
+    # The bundled SmolLM2-135M-Instruct has 30 layers; its 50% SwiftKV conversion carries c = 15.
+    base, swiftkv = load_config("bundled"), load_config("bundled-swiftkv")
+    assert base.num_hidden_layers == 30 and swiftkv.num_key_value_layers == 15
+    assert 17 / 30 < flops_report(base, 2048, 17)["predicted_prefill_ratio"] < 17 / 30 + 0.05
 
 
 def test_reads_swiftkv_layout_from_a_swiftkv_config(tmp_path):
