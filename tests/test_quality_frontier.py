@@ -3,10 +3,12 @@ plot made from an evaluation's results."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
 
+from benchmarks import frontier_table
 from benchmarks.drop_layers import healed_layers, shortened
 from benchmarks.quality_frontier import format_frontier, frontier_rows, plot_frontier
 from swiftkv.analysis.flops import swiftkv_param_count
@@ -30,7 +32,10 @@ def test_the_shortened_model_is_the_bases_first_layers(tmp_path):
     assert heal * per_layer >= swiftkv_param_count(base.config, 3, 1)[0] > (heal - 1) * per_layer
 
 
-def test_the_table_and_plot_cover_every_model():
+def _rows(c: int = 15, base_sciq: float = 0.8) -> list[dict]:
+    """A frontier run's rows at cutoff ``c`` (of 30 layers): the base, SwiftKV, its copy start and the
+    drop-layers baseline, as ``frontier_rows`` makes them from an evaluation's results."""
+
     def needle(exact):
         return {"cells": [_cell(512, exact, 1.0), _cell(2048, exact / 2, 1.0)]}
 
@@ -43,18 +48,23 @@ def test_the_table_and_plot_cover_every_model():
 
     # The base is not probed itself: the SwiftKV model's probe scored it on the same prompts.
     results = {
-        "long_context": {"swiftkv-c15": needle(0.4), "drop-c15": {"cells": alone(needle(0.8)["cells"])}},
-        "multi_turn": {"swiftkv-c15": recall(0.5), "drop-c15": {"recall": {
+        "long_context": {f"swiftkv-c{c}": needle(0.4), f"drop-c{c}": {"cells": alone(needle(0.8)["cells"])}},
+        "multi_turn": {f"swiftkv-c{c}": recall(0.5), f"drop-c{c}": {"recall": {
             "gaps": [0], "cells": alone(recall(0.5)["recall"]["cells"])}}},
         "quality": {"SciQ": {m: {"score": s, "stderr": 0.02, "n": 500} for m, s in (
-            ("base", 0.8), ("swiftkv-c15", 0.75), ("rewired-c15", 0.6), ("drop-c15", 0.5))}},
+            ("base", base_sciq), (f"swiftkv-c{c}", 0.75), (f"rewired-c{c}", 0.6), (f"drop-c{c}", 0.5))}},
     }
+    saved = (30 - c) / 30
     facts = {"base": {"method": "base", "cutoff": None, "prefill_saving": 0.0},
-             "swiftkv-c15": {"method": "swiftkv", "cutoff": 15, "prefill_saving": 0.5, "k_r2_least_squares": 0.79,
-                             "v_r2_least_squares": 0.74},
-             "rewired-c15": {"method": "rewired", "cutoff": 15, "prefill_saving": 0.5},
-             "drop-c15": {"method": "drop layers", "cutoff": 15, "prefill_saving": 0.5}}
-    rows = frontier_rows(results, facts)
+             f"swiftkv-c{c}": {"method": "swiftkv", "cutoff": c, "prefill_saving": saved, "k_r2_least_squares": 0.79,
+                               "v_r2_least_squares": 0.74},
+             f"rewired-c{c}": {"method": "rewired", "cutoff": c, "prefill_saving": saved},
+             f"drop-c{c}": {"method": "drop layers", "cutoff": c, "prefill_saving": saved}}
+    return frontier_rows(results, facts)
+
+
+def test_the_table_and_plot_cover_every_model():
+    rows = _rows()
     assert [r["model"] for r in rows] == ["base", "swiftkv-c15", "rewired-c15", "drop-c15"]
     assert rows[1]["retrieval"]["2048"]["exact"] == 0.2 and rows[3]["tasks"]["SciQ"]["score"] == 0.5
     assert rows[0]["retrieval"]["2048"]["exact"] == 1.0 and rows[0]["recall"]["exact"] == 1.0
@@ -71,3 +81,28 @@ def test_the_table_and_plot_cover_every_model():
     assert "| drop-c15 | 50% | - | 80% (-2.5) | 40% (-2.5) | 50% (-2.5) | 50.0 ± 2.0 | - |" in table
     assert math.isnan(rows[3]["retrieval"]["512"]["delta_stderr"]) and rows[3]["recall"]["base_exact"] == 1.0
     assert plot_frontier(rows).startswith(b"\x89PNG")
+
+
+def _write_run(folder, rows: list[dict]) -> str:
+    folder.mkdir()
+    (folder / "frontier.json").write_text(json.dumps({"rows": rows}))
+    return str(folder)
+
+
+def test_runs_of_single_cutoffs_make_one_table(tmp_path, capsys):
+    runs = [_write_run(tmp_path / "c20", _rows(20)), _write_run(tmp_path / "c15", _rows(15))]
+    out = tmp_path / "all"
+    assert frontier_table.main(["--set", f"runs={json.dumps(runs)}", "--set", f"out={out}"]) == 0
+    rows = json.loads((out / "frontier.json").read_text())["rows"]
+    # The base once, then by prefill saved (c = 20 saves 33%, c = 15 50%), each cutoff's rows together.
+    assert [r["model"] for r in rows] == ["base", "swiftkv-c20", "rewired-c20", "drop-c20",
+                                          "swiftkv-c15", "rewired-c15", "drop-c15"]
+    table = (out / "frontier.md").read_text()
+    assert table.count("| base |") == 1 and "| swiftkv-c20 | 33% |" in table and "| drop-c15 | 50% |" in table
+    assert (out / "frontier.png").read_bytes().startswith(b"\x89PNG")
+    # Another base (or other documents) would put the rows on different scales: refused, naming the run.
+    other = _write_run(tmp_path / "other", _rows(18, base_sciq=0.7))
+    assert frontier_table.main(["--set", f"runs={json.dumps([runs[0], other])}", "--set", f"out={out}"]) == 2
+    assert f"{other}: its base scored otherwise" in capsys.readouterr().err
+    assert frontier_table.main(["--set", f"runs={json.dumps([str(tmp_path / 'none')])}"]) == 2
+    assert "none/frontier.json: no frontier here" in capsys.readouterr().err
