@@ -219,8 +219,8 @@ def _gate_cell(gate: dict[str, Any]) -> str:
 
 
 def plot_frontier(rows: list[dict[str, Any]]) -> bytes:
-    """Retrieval at the longest length, recall and the mean task score against the prefill saved,
-    SwiftKV beside the drop-layers baseline, the base as a line. PNG bytes."""
+    """Retrieval at each length, recall and the mean task score against the prefill saved, SwiftKV
+    beside the drop-layers baseline, the base as a line. PNG bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,12 +229,14 @@ def plot_frontier(rows: list[dict[str, Any]]) -> bytes:
     from swiftkv.outputs import figure_png
 
     base = next(r for r in rows if r["method"] == "base")
-    longest = max((int(x) for r in rows for x in r.get("retrieval", {})), default=None)
-    panels = [(f"retrieval at {longest} tokens", lambda r: r.get("retrieval", {}).get(str(longest), {}).get("exact")),
-              ("recall across turns", lambda r: (r.get("recall") or {}).get("exact")),
+    lengths = sorted({int(x) for r in rows for x in r.get("retrieval", {})})
+    panels = [(f"retrieval at {x:,} tokens", lambda r, x=x: r.get("retrieval", {}).get(str(x), {}).get("exact"))
+              for x in lengths]
+    panels += [("recall across turns", lambda r: (r.get("recall") or {}).get("exact")),
               ("mean task score", lambda r: sum(p["score"] for p in r["tasks"].values()) / len(r["tasks"])
                if r["tasks"] else None)]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    axes = axes[0]
     for ax, (title, value) in zip(axes, panels, strict=True):
         for method, style in (("swiftkv", "-o"), ("drop layers", "--s")):
             points = sorted((100 * r["prefill_saving"], value(r)) for r in rows
