@@ -235,8 +235,7 @@ def plot_frontier(rows: list[dict[str, Any]]) -> bytes:
     panels += [("recall across turns", lambda r: (r.get("recall") or {}).get("exact")),
               ("mean task score", lambda r: sum(p["score"] for p in r["tasks"].values()) / len(r["tasks"])
                if r["tasks"] else None)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
-    axes = axes[0]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))  # recall and tasks: two at least
     for ax, (title, value) in zip(axes, panels, strict=True):
         for method, style in (("swiftkv", "-o"), ("drop layers", "--s")):
             points = sorted((100 * r["prefill_saving"], value(r)) for r in rows
