@@ -104,5 +104,12 @@ def test_runs_of_single_cutoffs_make_one_table(tmp_path, capsys):
     other = _write_run(tmp_path / "other", _rows(18, base_sciq=0.7))
     assert frontier_table.main(["--set", f"runs={json.dumps([runs[0], other])}", "--set", f"out={out}"]) == 2
     assert f"{other}: its base scored otherwise" in capsys.readouterr().err
+    # Fewer documents per task in one run: refused too.
+    smaller = _rows(23)
+    for row in smaller:
+        row["tasks"]["SciQ"]["n"] = 100
+    small = _write_run(tmp_path / "small", smaller)
+    assert frontier_table.main(["--set", f"runs={json.dumps([runs[0], small])}", "--set", f"out={out}"]) == 2
+    assert f"{small}: measured on other sizes" in capsys.readouterr().err
     assert frontier_table.main(["--set", f"runs={json.dumps([str(tmp_path / 'none')])}"]) == 2
     assert "none/frontier.json: no frontier here" in capsys.readouterr().err
