@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 
 import torch
 from pydantic import Field
@@ -48,6 +49,15 @@ class RetrievalLayersConfig(StrictConfig):
     """Output folder."""
 
 
+Replacement = Callable[[int, str, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(layer, "k" or "v", the SwiftKV projection's input, the teacher's own K/V) -> the K/V to use``."""
+
+
+def teachers_own(_layer: int, _kind: str, _swiftkv_input: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """The replacement of this diagnosis: the layer's own K/V, as without SwiftKV."""
+    return own
+
+
 def replacement_variants(c: int, num_layers: int) -> dict[str, list[int]]:
     """Name -> the layers whose SwiftKV K/V are replaced by the teacher's own."""
     variants: dict[str, list[int]] = {"student": []}
@@ -58,9 +68,14 @@ def replacement_variants(c: int, num_layers: int) -> dict[str, list[int]]:
 
 @torch.inference_mode()
 def score_prompt(
-    model, prompt: list[int], answer: list[int], variants: dict[str, list[int]]
+    model, prompt: list[int], answer: list[int], variants: dict[str, list[int]],
+    replacements: dict[str, Replacement] | None = None,
 ) -> dict[str, tuple[float, bool]]:
-    """``{variant: (answer log-prob, exact)}`` for one needle prompt, and ``base`` (the teacher)."""
+    """``{variant: (answer log-prob, exact)}`` for one needle prompt, and ``base`` (the teacher).
+
+    A variant's layers get their SwiftKV K/V from ``replacements[variant]`` (``teachers_own`` where
+    none is given)."""
+    replacements = replacements or {}
     decoder, layers = model.get_decoder(), model.get_decoder().layers
     ids = torch.tensor([prompt + answer])
     keep = slice(len(prompt) - 1, None)
@@ -86,7 +101,9 @@ def score_prompt(
                      for j in range(c, len(layers)) for kind in ("k", "v")]
     scores = {"base": run(False, teacher_hooks)}
     for name, replaced in variants.items():
-        hooks = [(getattr(layers[j].self_attn, f"{kind}_proj_swiftkv"), lambda _m, _i, _o, t=own[(j, kind)]: t)
+        replace = replacements.get(name, teachers_own)
+        hooks = [(getattr(layers[j].self_attn, f"{kind}_proj_swiftkv"),
+                  lambda _m, inputs, _o, j=j, kind=kind, replace=replace: replace(j, kind, inputs[0], own[(j, kind)]))
                  for j in replaced for kind in ("k", "v")]
         scores[name] = run(True, hooks)
     return scores

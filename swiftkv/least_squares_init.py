@@ -32,9 +32,10 @@ KINDS = ("k", "v")
 
 
 @dataclass
-class _Moments:
+class Moments:
     """Running sums over tokens of one data split: ``X^T X``, and per target ``X^T Y``, ``sum Y`` and
-    ``sum Y^2`` (float64; ``X`` carries a column of ones last when a bias is fitted)."""
+    ``sum Y^2`` (float64; ``X`` carries a column of ones last when a bias is fitted). Enough to solve
+    a least-squares fit on one split and score it on another without keeping any token."""
 
     xtx: torch.Tensor
     xty: dict[str, torch.Tensor]
@@ -43,7 +44,7 @@ class _Moments:
     tokens: int = 0
 
     @classmethod
-    def empty(cls, width: int) -> _Moments:
+    def empty(cls, width: int) -> Moments:
         return cls(torch.zeros(width, width, dtype=torch.float64), {}, {}, {})
 
     def add(self, x: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
@@ -53,6 +54,20 @@ class _Moments:
             self.xty[name] = self.xty.get(name, 0) + x.T @ y
             self.y_sum[name] = self.y_sum.get(name, 0) + y.sum(0)
             self.y_sq[name] = self.y_sq.get(name, 0.0) + float(y.pow(2).sum())
+
+    def solve(self, name: str, ridge: float) -> torch.Tensor:
+        """The least-squares weight ``[width, out]`` for target ``name``; ``ridge`` is added to the
+        diagonal of ``X^T X`` relative to its mean diagonal."""
+        width = self.xtx.shape[0]
+        gram = self.xtx + ridge * self.xtx.diagonal().mean() * torch.eye(width, dtype=torch.float64)
+        return torch.linalg.solve(gram, self.xty[name])
+
+    def r2(self, name: str, weight: torch.Tensor) -> float:
+        """R² of ``X @ weight`` against target ``name`` on this split, from its sums alone."""
+        xty, xtx = self.xty[name], self.xtx
+        sse = self.y_sq[name] - 2 * float((weight * xty).sum()) + float((weight * (xtx @ weight)).sum())
+        sst = self.y_sq[name] - float(self.y_sum[name].pow(2).sum()) / self.tokens
+        return 1.0 - sse / sst
 
 
 @dataclass
@@ -97,14 +112,6 @@ def _capture(model: nn.Module, c: int, kv_layers: range) -> tuple[dict[str, torc
     return seen, handles
 
 
-def _r2(moments: _Moments, name: str, weight: torch.Tensor) -> float:
-    """Held-out R² of ``X @ weight`` against target ``name`` from the split's sums alone."""
-    xty, xtx = moments.xty[name], moments.xtx
-    sse = moments.y_sq[name] - 2 * float((weight * xty).sum()) + float((weight * (xtx @ weight)).sum())
-    sst = moments.y_sq[name] - float(moments.y_sum[name].pow(2).sum()) / moments.tokens
-    return 1.0 - sse / sst
-
-
 @torch.no_grad()
 def fit_swiftkv_kv(
     model: nn.Module,
@@ -129,7 +136,7 @@ def fit_swiftkv_kv(
     leaders = [j for j in range(c, n) if is_group_leader(j, c, g)]
     bias = layers[c].self_attn.k_proj.bias is not None
     width = config.hidden_size + int(bias)
-    moments = {"fit": _Moments.empty(width), "heldout": _Moments.empty(width)}
+    moments = {"fit": Moments.empty(width), "heldout": Moments.empty(width)}
     norm = model.get_decoder().norm_swiftkv
     model.swiftkv(False)
     seen, handles = _capture(model, c, range(c, n))
@@ -152,19 +159,18 @@ def fit_swiftkv_kv(
     fit, heldout = moments["fit"], moments["heldout"]
     if fit.tokens == 0 or heldout.tokens == 0:
         raise ValueError(f"the least-squares start needs at least {heldout_every} calibration rows")
-    gram = fit.xtx + ridge * fit.xtx.diagonal().mean() * torch.eye(width, dtype=torch.float64)
     tensors, r2, copy_r2 = {}, {}, {}
     for j in leaders:
         attention = layers[j].self_attn
         for kind in KINDS:
             name = f"{kind}{j}"
-            solved = torch.linalg.solve(gram, fit.xty[name])  # [width, out]
-            r2[name] = _r2(heldout, name, solved)
+            solved = fit.solve(name, ridge)  # [width, out]
+            r2[name] = heldout.r2(name, solved)
             current = getattr(attention, f"{kind}_proj_swiftkv")
             before = current.weight.detach().double().T
             if bias:
                 before = torch.cat([before, current.bias.detach().double()[None]], dim=0)
-            copy_r2[name] = _r2(heldout, name, before)
+            copy_r2[name] = heldout.r2(name, before)
             prefix = f"model.layers.{j}.self_attn.{kind}_proj_swiftkv"
             dtype = current.weight.dtype
             tensors[f"{prefix}.weight"] = solved[: config.hidden_size].T.contiguous().to(dtype)

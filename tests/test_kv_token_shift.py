@@ -1,0 +1,42 @@
+"""The token-shift diagnosis (benchmarks/kv_token_shift.py): its features, its fits and its K/V put in
+place of the student's, checked where the answer is known: on the copy start the cutoff layer's
+teacher K/V are exactly linear in the SwiftKV input, so that fit must be exact and, put in place of
+the student's own (also exact), must leave the student's scores as they are."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from benchmarks.kv_token_shift import KVTokenShiftConfig, fit_shifted_kv, run, shifted_replacement, token_features
+from benchmarks.retrieval_layers import score_prompt
+from swiftkv.convert import convert_model
+from tests.tiny import save_tiny_base
+
+
+def test_token_features_hold_each_token_and_the_ones_before_it():
+    x = torch.arange(8.0).view(4, 2)
+    assert token_features(x, 2).tolist() == [[0, 1, 0, 0, 1], [2, 3, 0, 1, 1], [4, 5, 2, 3, 1], [6, 7, 4, 5, 1]]
+    assert token_features(x[:1], 3).tolist() == [[0, 1, 0, 0, 0, 0, 1]]
+
+
+def test_the_fit_of_the_cutoff_layer_is_exact_and_replaces_the_student_s_kv_unchanged(tmp_path):
+    model = convert_model(save_tiny_base(tmp_path, "llama", num_hidden_layers=4), num_key_value_layers=2)
+    rng = random.Random(0)
+    rows = [[rng.randrange(5, 1000) for _ in range(48)] for _ in range(8)]
+    weights, r2 = fit_shifted_kv(model, {"fit": rows[:6], "heldout": rows[6:]}, [1, 2], ridge=1e-9)
+    assert set(r2) == {1, 2} and set(r2[1]) == {"k2", "v2", "k3", "v3"}
+    assert min(r2[n][f"{kind}2"] for n in (1, 2) for kind in "kv") > 0.999  # layer c: linear in its own token
+    assert r2[1]["k3"] < 0.999  # layer 3's keys are not (its input went through layer 2)
+    model.swiftkv(True)
+    prompt, answer = [rng.randrange(5, 1000) for _ in range(40)], [7, 8]
+    scores = score_prompt(model, prompt, answer, {"student": [], "fit": [2]}, {"fit": shifted_replacement(weights, 1)})
+    assert scores["fit"][0] == pytest.approx(scores["student"][0], abs=1e-3)
+    assert abs(scores["student"][0] - scores["base"][0]) > 1e-3  # layer 3's SwiftKV K/V differ from its own
+
+
+def test_fits_scored_on_their_own_text_are_refused_before_any_model_loads():
+    with pytest.raises(ValueError, match="must be scored on other text"):
+        run(KVTokenShiftConfig(model="no/such/folder", fit_filler="essays", filler="essays"))
