@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
 
 import torch
 from pydantic import Field
 
-from benchmarks.retrieval_layers import Replacement, score_prompt
-from swiftkv.least_squares_init import KINDS, Moments
-from swiftkv.yaml_config import StrictConfig, job_main
+from benchmarks.retrieval_layers import NeedleProbeConfig, Replacement, score_needles
+from swiftkv.least_squares_init import KINDS, Moments, capture_teacher_kv
+from swiftkv.yaml_config import job_main
 
 
-class KVTokenShiftConfig(StrictConfig):
+class KVTokenShiftConfig(NeedleProbeConfig):
+    """The probe's fields (``lengths``, ``depths``, ``samples``, ``filler``, ``seed``) are the
+    evaluation's needle prompts the fits are scored on; ``filler`` must differ from ``fit_filler``."""
+
     model: str
     """A SwiftKV checkpoint folder (a distilled one, e.g. ``<run>/step_*/model``)."""
 
@@ -56,21 +58,6 @@ class KVTokenShiftConfig(StrictConfig):
     layers: list[int] | None = None
     """Layers whose K/V are also replaced alone; ``None``: the layer whose keys' R² gains most from the
     longest shift."""
-
-    lengths: list[int] = Field(default=[512, 2048], min_length=1)
-    """Needle prompt lengths in tokens."""
-
-    depths: list[float] = Field(default=[0.25, 0.75], min_length=1)
-    """Needle depths (0 = start of the filler, 1 = its end)."""
-
-    samples: int = Field(default=5, ge=1)
-    """Needles per (length, depth)."""
-
-    filler: str = "essays"
-    """The needle probe's filler (``essays`` or ``squad``); it must differ from ``fit_filler``."""
-
-    seed: int = 1234
-    """The needle probe's seed (the evaluation's by default)."""
 
     out: str = "artifacts/kv-token-shift"
     """Output folder."""
@@ -97,13 +84,7 @@ def fit_shifted_kv(
     names = [f"{kind}{j}" for j in range(c, len(layers)) for kind in KINDS]
     width = model.config.hidden_size
     moments = {(split, n): Moments.empty(n * width + 1) for split in splits for n in shifts}
-    seen: dict[str, torch.Tensor] = {}
-    handles = [layers[c].register_forward_pre_hook(
-        lambda _m, args, kwargs: seen.__setitem__("h", (args[0] if args else kwargs["hidden_states"])),
-        with_kwargs=True)]
-    handles += [getattr(layers[j].self_attn, f"{kind}_proj").register_forward_hook(
-        lambda _m, _i, out, name=f"{kind}{j}": seen.__setitem__(name, out)) for j in range(c, len(layers))
-        for kind in KINDS]
+    seen, handles = capture_teacher_kv(model, c, range(c, len(layers)))
     model.swiftkv(False)
     try:
         for split, rows in splits.items():
@@ -134,8 +115,6 @@ def shifted_replacement(weights: dict[tuple[int, str], torch.Tensor], n: int) ->
 
 
 def run(cfg: KVTokenShiftConfig) -> dict:
-    from tqdm import tqdm
-
     from swiftkv.evaluation.needle import KEYS, NeedlePrompts, filler_text, needle_samples
     from swiftkv.inference import load_chat_model
     from swiftkv.outputs import write_files
@@ -147,6 +126,9 @@ def run(cfg: KVTokenShiftConfig) -> dict:
     if (not hasattr(model, "swiftkv") or getattr(config, "key_value_group_size", 1) != 1
             or not hasattr(model.get_decoder().layers[-1].self_attn, "k_proj_swiftkv")):
         raise ValueError(f"{cfg.model}: a SwiftKV checkpoint with k/v projections and without AcrossKV is needed")
+    c, last, longest = config.num_key_value_layers, config.num_hidden_layers, max(cfg.shifts)
+    if cfg.layers is not None and not set(cfg.layers) <= set(range(c, last)):
+        raise ValueError(f"layers {cfg.layers}: each must be a SwiftKV layer of {cfg.model} ({c} to {last - 1})")
     rng = random.Random(cfg.seed + 1)
     # The fit rows span 8x the row length of their filler, so they repeat little text.
     fit_prompts = NeedlePrompts(tokenizer, filler_text(cfg.fit_filler), 8 * cfg.row_tokens)
@@ -157,11 +139,10 @@ def run(cfg: KVTokenShiftConfig) -> dict:
         fit_rows.append(prompt + answer)
     heldout_rows = [prompt + answer for *_, prompt, answer in needle_samples(
         tokenizer, cfg.filler, [cfg.row_tokens], [0.5], cfg.heldout_rows, cfg.seed + 1)]
-    print(f"fitting K/V of layers {config.num_key_value_layers}-{config.num_hidden_layers - 1} on "
+    print(f"fitting K/V of layers {c}-{last - 1} on "
           f"{len(fit_rows)} {cfg.fit_filler} prompts, scoring on {len(heldout_rows)} {cfg.filler} prompts", flush=True)
     weights, r2 = fit_shifted_kv(model, {"fit": fit_rows, "heldout": heldout_rows}, cfg.shifts, cfg.ridge)
 
-    c, last, longest = config.num_key_value_layers, config.num_hidden_layers, max(cfg.shifts)
     every = list(range(c, last))
     alone = cfg.layers if cfg.layers is not None else [
         max(every, key=lambda j: r2[longest][f"k{j}"] - r2[min(cfg.shifts)][f"k{j}"])]
@@ -171,19 +152,8 @@ def run(cfg: KVTokenShiftConfig) -> dict:
         for name, replaced in [(f"{n} token(s), layers {c}-{last - 1}", every),
                                *[(f"{n} token(s), layer {j}", [j]) for j in alone]]:
             variants[name], replacements[name] = replaced, shifted_replacement(weights, n)
-    lengths = sorted(cfg.lengths)
-    per_length: dict[int, list[dict[str, tuple[float, bool]]]] = {}
-    needles = needle_samples(tokenizer, cfg.filler, lengths, cfg.depths, cfg.samples, cfg.seed)
-    for length, _depth, prompt, answer in tqdm(needles, total=len(lengths) * len(cfg.depths) * cfg.samples,
-                                               desc="needle prompts", unit="prompt"):
-        per_length.setdefault(length, []).append(score_prompt(model, prompt, answer, variants, replacements))
-    table = {
-        name: {length: {"exact": statistics.fmean(s[name][1] for s in samples),
-                        "logprob_vs_base": statistics.fmean(s[name][0] - s["base"][0] for s in samples),
-                        "n": len(samples)}
-               for length, samples in per_length.items()}
-        for name in ["base", *variants]
-    }
+    table, retrieval_lines = score_needles(model, tokenizer, cfg, variants, replacements,
+                                           label="SwiftKV K/V replaced by the fit of")
     result = {"model": cfg.model, "cutoff": c, "fit_filler": cfg.fit_filler, "filler": cfg.filler,
               "heldout_r2": {str(n): values for n, values in r2.items()}, "retrieval": table}
     lines = ["| layer | " + " | ".join(f"K R², {n} token(s)" for n in cfg.shifts) + " | "
@@ -191,11 +161,7 @@ def run(cfg: KVTokenShiftConfig) -> dict:
     for j in every:
         cells = [f"{r2[n][f'{kind}{j}']:.2f}" for kind in KINDS for n in cfg.shifts]
         lines.append(f"| {j} | " + " | ".join(cells) + " |")
-    head = " | ".join(f"{n} tokens: retrieved, log-prob vs base" for n in lengths)
-    lines += ["", f"| SwiftKV K/V replaced by the fit of | {head} |", "|---" * (1 + len(lengths)) + "|"]
-    for name, cells in table.items():
-        row = " | ".join(f"{cells[n]['exact']:.0%} ({cells[n]['logprob_vs_base']:+.1f})" for n in lengths)
-        lines.append(f"| {name} | {row} |")
+    lines += ["", *retrieval_lines]
     write_files(cfg.out, {"kv_token_shift.json": json.dumps(result, indent=1).encode(),
                           "kv_token_shift.md": ("\n".join(lines) + "\n").encode()})
     print("\n".join(lines))

@@ -26,9 +26,8 @@ from swiftkv.evaluation.answer_scoring import score_hidden
 from swiftkv.yaml_config import StrictConfig, job_main
 
 
-class RetrievalLayersConfig(StrictConfig):
-    model: str
-    """A SwiftKV checkpoint folder (a distilled one, e.g. ``<run>/step_*/model``)."""
+class NeedleProbeConfig(StrictConfig):
+    """The needle prompts a diagnosis scores (``swiftkv.evaluation.needle``)."""
 
     lengths: list[int] = Field(default=[512, 2048], min_length=1)
     """Prompt lengths in tokens."""
@@ -44,6 +43,11 @@ class RetrievalLayersConfig(StrictConfig):
 
     seed: int = 1234
     """The needle probe's seed: the same seed, lengths, depths and samples give the probe's prompts."""
+
+
+class RetrievalLayersConfig(NeedleProbeConfig):
+    model: str
+    """A SwiftKV checkpoint folder (a distilled one, e.g. ``<run>/step_*/model``)."""
 
     out: str = "artifacts/retrieval-layers"
     """Output folder."""
@@ -109,10 +113,38 @@ def score_prompt(
     return scores
 
 
-def run(cfg: RetrievalLayersConfig) -> dict:
+def score_needles(
+    model, tokenizer, probe: NeedleProbeConfig, variants: dict[str, list[int]],
+    replacements: dict[str, Replacement] | None = None, label: str = "SwiftKV K/V replaced by the layer's own",
+) -> tuple[dict, list[str]]:
+    """Every variant (and the base) on the probe's needle prompts: ``{variant: {length: {"exact",
+    "logprob_vs_base", "n"}}}`` and the same as markdown table lines, ``label`` heading the first column."""
     from tqdm import tqdm
 
     from swiftkv.evaluation.needle import needle_samples
+
+    lengths = sorted(probe.lengths)
+    per_length: dict[int, list[dict[str, tuple[float, bool]]]] = {}
+    needles = needle_samples(tokenizer, probe.filler, lengths, probe.depths, probe.samples, probe.seed)
+    for length, _depth, prompt, answer in tqdm(needles, total=len(lengths) * len(probe.depths) * probe.samples,
+                                               desc="needle prompts", unit="prompt"):
+        per_length.setdefault(length, []).append(score_prompt(model, prompt, answer, variants, replacements))
+    table = {
+        name: {length: {"exact": statistics.fmean(s[name][1] for s in samples),
+                        "logprob_vs_base": statistics.fmean(s[name][0] - s["base"][0] for s in samples),
+                        "n": len(samples)}
+               for length, samples in per_length.items()}
+        for name in ["base", *variants]
+    }
+    head = " | ".join(f"{n} tokens: retrieved, log-prob vs base" for n in lengths)
+    lines = [f"| {label} | {head} |", "|---" * (1 + len(lengths)) + "|"]
+    for name, cells in table.items():
+        row = " | ".join(f"{cells[n]['exact']:.0%} ({cells[n]['logprob_vs_base']:+.1f})" for n in lengths)
+        lines.append(f"| {name} | {row} |")
+    return table, lines
+
+
+def run(cfg: RetrievalLayersConfig) -> dict:
     from swiftkv.inference import load_chat_model
     from swiftkv.outputs import write_files
 
@@ -121,25 +153,8 @@ def run(cfg: RetrievalLayersConfig) -> dict:
     if not hasattr(model, "swiftkv") or getattr(config, "key_value_group_size", 1) != 1:
         raise ValueError(f"{cfg.model}: a SwiftKV checkpoint without AcrossKV is needed")
     variants = replacement_variants(config.num_key_value_layers, config.num_hidden_layers)
-    lengths = sorted(cfg.lengths)
-    per_length: dict[int, list[dict[str, tuple[float, bool]]]] = {}
-    needles = needle_samples(tokenizer, cfg.filler, lengths, cfg.depths, cfg.samples, cfg.seed)
-    for length, _depth, prompt, answer in tqdm(needles, total=len(lengths) * len(cfg.depths) * cfg.samples,
-                                               desc="needle prompts", unit="prompt"):
-        per_length.setdefault(length, []).append(score_prompt(model, prompt, answer, variants))
-    table = {
-        name: {length: {"exact": statistics.fmean(s[name][1] for s in samples),
-                        "logprob_vs_base": statistics.fmean(s[name][0] - s["base"][0] for s in samples),
-                        "n": len(samples)}
-               for length, samples in per_length.items()}
-        for name in ["base", *variants]
-    }
+    table, lines = score_needles(model, tokenizer, cfg, variants)
     result = {"model": cfg.model, "cutoff": config.num_key_value_layers, "variants": table}
-    head = " | ".join(f"{n} tokens: retrieved, log-prob vs base" for n in lengths)
-    lines = [f"| SwiftKV K/V replaced by the layer's own | {head} |", "|---" * (1 + len(lengths)) + "|"]
-    for name, cells in table.items():
-        row = " | ".join(f"{cells[n]['exact']:.0%} ({cells[n]['logprob_vs_base']:+.1f})" for n in lengths)
-        lines.append(f"| {name} | {row} |")
     write_files(cfg.out, {"retrieval_layers.json": json.dumps(result, indent=1).encode(),
                           "retrieval_layers.md": ("\n".join(lines) + "\n").encode()})
     print("\n".join(lines))

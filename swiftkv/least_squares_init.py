@@ -94,7 +94,7 @@ class KVFit:
         return out
 
 
-def _capture(model: nn.Module, c: int, kv_layers: range) -> tuple[dict[str, torch.Tensor], list]:
+def capture_teacher_kv(model: nn.Module, c: int, kv_layers: range) -> tuple[dict[str, torch.Tensor], list]:
     """Forward hooks that keep the state entering layer ``c`` and each later layer's own K/V
     projection outputs (the teacher's), keyed ``"h"``, ``"k{j}"``, ``"v{j}"``."""
     seen: dict[str, torch.Tensor] = {}
@@ -139,7 +139,7 @@ def fit_swiftkv_kv(
     moments = {"fit": Moments.empty(width), "heldout": Moments.empty(width)}
     norm = model.get_decoder().norm_swiftkv
     model.swiftkv(False)
-    seen, handles = _capture(model, c, range(c, n))
+    seen, handles = capture_teacher_kv(model, c, range(c, n))
     try:
         for i, row in enumerate(rows):
             model.get_decoder()(input_ids=row["input_ids"].long(), position_ids=row["position_ids"].long(),

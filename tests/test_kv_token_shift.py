@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.kv_token_shift import KVTokenShiftConfig, fit_shifted_kv, run, shifted_replacement, token_features
 from benchmarks.retrieval_layers import score_prompt
-from swiftkv.convert import convert_model
+from swiftkv.convert import convert_checkpoint, convert_model
 from tests.tiny import save_tiny_base
 
 
@@ -40,3 +40,21 @@ def test_the_fit_of_the_cutoff_layer_is_exact_and_replaces_the_student_s_kv_unch
 def test_fits_scored_on_their_own_text_are_refused_before_any_model_loads():
     with pytest.raises(ValueError, match="must be scored on other text"):
         run(KVTokenShiftConfig(model="no/such/folder", fit_filler="essays", filler="essays"))
+
+
+def test_the_job_end_to_end_on_a_tiny_checkpoint(tmp_path):
+    """The whole job on the real fillers and chat template: its tables, and a layer it cannot
+    replace refused by name."""
+    save_tiny_base(tmp_path / "base", "llama", num_hidden_layers=4, bundled_tokenizer=True)
+    model = str(convert_checkpoint(str(tmp_path / "base"), tmp_path / "swiftkv", num_key_value_layers=2))
+    small = {"model": model, "shifts": [1, 2], "fit_rows": 3, "heldout_rows": 1, "row_tokens": 160,
+             "lengths": [160], "depths": [0.5], "samples": 2, "out": str(tmp_path / "out")}
+    with pytest.raises(ValueError, match=r"layers \[1\]: each must be a SwiftKV layer .* \(2 to 3\)"):
+        run(KVTokenShiftConfig(**small, layers=[1]))
+    result = run(KVTokenShiftConfig(**small))
+    assert result["heldout_r2"]["1"]["k2"] > 0.999  # layer c's K: linear in the token's own state
+    assert set(result["retrieval"]) == {"base", "student", "1 token(s), layers 2-3", "1 token(s), layer 3",
+                                        "2 token(s), layers 2-3", "2 token(s), layer 3"}
+    assert result["retrieval"]["student"][160]["n"] == 2
+    table = (tmp_path / "out" / "kv_token_shift.md").read_text()
+    assert "| 3 | " in table and "| 2 token(s), layers 2-3 | " in table
