@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Annotated
 
 import torch
 from pydantic import Field
@@ -37,7 +38,7 @@ class KVTokenShiftConfig(NeedleProbeConfig):
     model: str
     """A SwiftKV checkpoint folder (a distilled one, e.g. ``<run>/step_*/model``)."""
 
-    shifts: list[int] = Field(default=[1, 2, 3], min_length=1)
+    shifts: list[Annotated[int, Field(ge=1)]] = Field(default=[1, 2, 3], min_length=1)
     """Fits to compare: ``n`` = the token's own cutoff state and those of the ``n - 1`` tokens before it."""
 
     fit_filler: str = "squad"
