@@ -32,8 +32,12 @@ def test_the_fit_of_the_cutoff_layer_is_exact_and_replaces_the_student_s_kv_unch
     assert r2[1]["k3"] < 0.999  # layer 3's keys are not (its input went through layer 2)
     model.swiftkv(True)
     prompt, answer = [rng.randrange(5, 1000) for _ in range(40)], [7, 8]
-    scores = score_prompt(model, prompt, answer, {"student": [], "fit": [2]}, {"fit": shifted_replacement(weights, 1)})
+    fitted = shifted_replacement(weights, 1)
+    scores = score_prompt(model, prompt, answer, {"student": [], "fit": [2], "fit of layer 3": [3]},
+                          {"fit": fitted, "fit of layer 3": fitted})
     assert scores["fit"][0] == pytest.approx(scores["student"][0], abs=1e-3)
+    # The replacement does take effect: layer 3's fit is not its copy-start K/V, and the score moves.
+    assert abs(scores["fit of layer 3"][0] - scores["student"][0]) > 1e-4
     assert abs(scores["student"][0] - scores["base"][0]) > 1e-3  # layer 3's SwiftKV K/V differ from its own
 
 
