@@ -29,6 +29,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from swiftkv.distill.config import DistillConfig
 from swiftkv.distill.data import build_datasets, check_sources
 from swiftkv.distill.model_io import (
+    check_layout,
     conversion_memory_bytes,
     convert_once,
     is_swiftkv_checkpoint,
@@ -83,6 +84,7 @@ def starting_point(cfg: DistillConfig, model_path: str, train_ds: ray.data.Datas
     root = storage.rstrip("/") if "://" in storage else os.path.abspath(storage)
     parent = f"{root}/{cfg.output.name}"
     args = (cfg.model, parent, cfg.num_key_value_layers, cfg.key_value_group_size)
+    shift = cfg.token_shift.as_shift()
     if least_squares:
         logger.info("fitting the least-squares start on the first %d training rows under %s",
                     cfg.init.calibration_rows, parent)
@@ -90,13 +92,13 @@ def starting_point(cfg: DistillConfig, model_path: str, train_ds: ray.data.Datas
         dtype = torch.bfloat16 if cfg.scaling.use_gpu else torch.float32
         # The fit runs the whole teacher once: it needs the model's memory, not only the conversion's.
         task = ray.remote(num_cpus=1, num_gpus=int(cfg.scaling.use_gpu))(least_squares_once)
-        start = ray.get(task.remote(*args, rows, dtype))
+        start = ray.get(task.remote(*args, rows, dtype, shift))
     else:
         logger.info("ZeRO-3: converting %s once under %s for the workers to load partitioned", cfg.model, parent)
         # The conversion reads only the tensors SwiftKV initialises from and copies the shards as files
         # (swiftkv.checkpoint_files): ask Ray for the memory that takes, so it lands on a node that has it.
         memory = conversion_memory_bytes(model_path, cfg.num_key_value_layers, cfg.key_value_group_size)
-        start = ray.get(ray.remote(num_cpus=1, memory=memory)(convert_once).remote(*args))
+        start = ray.get(ray.remote(num_cpus=1, memory=memory)(convert_once).remote(*args, shift))
     return cfg.model_copy(update={"model": start})
 
 
@@ -146,6 +148,7 @@ def run(cfg: DistillConfig) -> ray.train.Result:
     """Distil on the current Ray cluster (``ray.init`` joins ``RAY_ADDRESS`` or starts a local one)."""
     model_path = resolve_model(cfg.model)  # the tokenizer for the data pipeline comes from here
     check_sources(cfg.data, model_path)  # fail on a bad source before starting or joining Ray
+    check_layout(model_path, cfg.num_key_value_layers, cfg.key_value_group_size, cfg.token_shift.as_shift())
     if not ray.is_initialized():
         ray.init()
     datasets = build_datasets(cfg.data, tokenizer_path=model_path)

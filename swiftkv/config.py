@@ -25,6 +25,15 @@ class SwiftKVFields:
     """AcrossKV group size ``g`` (1 = off): layers ``c..L-1`` form contiguous groups of ``g`` that
     share the KV of the group's first layer. ``(L - c)`` must be divisible by ``g``."""
 
+    key_value_shift_layers: list[int] | None = None
+    """Token shift, a variant beyond the published layout (docs/distillation.md, "Token shift"):
+    the group leaders whose SwiftKV K/V also read the normed cutoff state of the
+    ``key_value_shift_tokens`` tokens before each token (extra ``k/v_shift_swiftkv`` projections).
+    It serves layers whose keys read a previous-token head that sits after the cutoff. ``None``: off."""
+
+    key_value_shift_tokens: int = 0
+    """How many tokens before each token those layers read (``1`` or ``2`` in practice; 0 = off)."""
+
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)
         # transformers reads the saved 4.x ``rope_scaling`` (see with_legacy_rope_fields) back into
@@ -45,6 +54,44 @@ class SwiftKVFields:
         if self.num_key_value_layers is None:
             self.num_key_value_layers = default_cutoff(num_layers)
         check_swiftkv_shape(num_layers, self.num_key_value_layers, self.key_value_group_size)
+        check_token_shift(self)
+
+
+@dataclass(frozen=True)
+class TokenShift:
+    """The token-shift fields of a conversion (``swiftkv convert``, the distillation's ``token_shift``)."""
+
+    layers: tuple[int, ...] = ()
+    """Group leaders whose SwiftKV K/V also read the tokens before (config ``key_value_shift_layers``)."""
+
+    tokens: int = 0
+    """Tokens before each token they read (config ``key_value_shift_tokens``)."""
+
+    def config_fields(self) -> dict:
+        return {"key_value_shift_layers": list(self.layers) or None, "key_value_shift_tokens": self.tokens}
+
+
+NO_SHIFT = TokenShift()
+"""The token shift off: every conversion's default."""
+
+
+def shift_layers(config) -> list[int]:
+    """The layers whose SwiftKV K/V read the tokens before (the token shift); empty when off."""
+    return list(getattr(config, "key_value_shift_layers", None) or [])
+
+
+def check_token_shift(config) -> None:
+    """Raise ``ValueError`` naming the problem if the token-shift fields do not fit the layout."""
+    layers, tokens = shift_layers(config), getattr(config, "key_value_shift_tokens", 0)
+    if bool(layers) != (tokens > 0):
+        raise ValueError(f"key_value_shift_layers={layers} and key_value_shift_tokens={tokens}: give both "
+                         "(layers and a count >= 1) or neither")
+    c, g = config.num_key_value_layers, config.key_value_group_size
+    leaders = range(c, config.num_hidden_layers, g)
+    stray = [j for j in layers if j not in leaders]
+    if stray or len(set(layers)) != len(layers):
+        raise ValueError(f"key_value_shift_layers={layers}: each must be named once and be a layer that computes "
+                         f"SwiftKV K/V ({list(leaders)} at num_key_value_layers={c}, key_value_group_size={g})")
 
 
 DEFAULT_SIMSCORE_THRESHOLD = 0.5

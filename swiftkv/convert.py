@@ -25,7 +25,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from swiftkv.checkpoint_files import ShardedTensors, has_safetensors, write_checkpoint
-from swiftkv.config import check_swiftkv_shape, cutoff_from_fraction, default_cutoff
+from swiftkv.config import NO_SHIFT, TokenShift, check_swiftkv_shape, cutoff_from_fraction, default_cutoff, shift_layers
 from swiftkv.file_modes import make_readable
 from swiftkv.modeling import FAMILIES
 from swiftkv.modeling.attention import is_group_leader
@@ -56,13 +56,21 @@ def swiftkv_initial_weights(state: Mapping[str, torch.Tensor], config: Pretraine
         if is_group_leader(j, c, g):
             for module in attention_cls.key_value_modules:
                 init(j, module, range(j, j + g))
+    # A token shift starts at zero: the student is then the unshifted one (the least-squares start fits it).
+    for j in shift_layers(config):
+        for kind in ("k", "v"):
+            own = new[f"model.layers.{j}.self_attn.{kind}_proj_swiftkv.weight"]
+            new[f"model.layers.{j}.self_attn.{kind}_shift_swiftkv.weight"] = own.new_zeros(
+                own.shape[0], config.key_value_shift_tokens * own.shape[1])
     return new
 
 
 def swiftkv_config(
-    base: PretrainedConfig, num_key_value_layers: int | None = None, key_value_group_size: int = 1
+    base: PretrainedConfig, num_key_value_layers: int | None = None, key_value_group_size: int = 1,
+    shift: TokenShift = NO_SHIFT,
 ) -> PretrainedConfig:
-    """The SwiftKV config (student on) of a base model's config; the cutoff defaults to 50% SwiftKV."""
+    """The SwiftKV config (student on) of a base model's config; the cutoff defaults to 50% SwiftKV;
+    ``shift``: the token shift (off by default)."""
     family = base.model_type
     if family not in FAMILIES:
         hint = " (it is already a SwiftKV model)" if family.endswith("_swiftkv") else ""
@@ -76,19 +84,21 @@ def swiftkv_config(
     fields = base.to_dict()
     for key in ("model_type", "architectures", "transformers_version"):
         fields.pop(key, None)
-    config = config_cls(**fields, swiftkv=True, num_key_value_layers=c, key_value_group_size=key_value_group_size)
+    config = config_cls(**fields, swiftkv=True, num_key_value_layers=c, key_value_group_size=key_value_group_size,
+                        **shift.config_fields())
     config.architectures = [model_cls.__name__]
     return config
 
 
 def convert_model(
-    base: PreTrainedModel, num_key_value_layers: int | None = None, key_value_group_size: int = 1
+    base: PreTrainedModel, num_key_value_layers: int | None = None, key_value_group_size: int = 1,
+    shift: TokenShift = NO_SHIFT,
 ) -> PreTrainedModel:
     """A SwiftKV model (student on) holding ``base``'s weights plus the initialised SwiftKV weights.
 
     The base weights are shared with ``base``, not copied: one copy of the model sits in memory.
     """
-    config = swiftkv_config(base.config, num_key_value_layers, key_value_group_size)
+    config = swiftkv_config(base.config, num_key_value_layers, key_value_group_size, shift)
     _, model_cls = FAMILIES[base.config.model_type]
     state = base.state_dict()
     state.update(swiftkv_initial_weights(state, config))
@@ -130,6 +140,7 @@ def convert_checkpoint(
     key_value_group_size: int = 1,
     cutoff: float | None = None,
     overwrite: bool = False,
+    shift: TokenShift = NO_SHIFT,
 ) -> Path:
     """Write a SwiftKV checkpoint (safetensors, config, tokenizer, chat template) for ``base`` to ``out``.
 
@@ -148,7 +159,7 @@ def convert_checkpoint(
     base_config = _base_config(path)
     if cutoff is not None:
         num_key_value_layers = cutoff_from_fraction(base_config.num_hidden_layers, cutoff)
-    config = swiftkv_config(base_config, num_key_value_layers, key_value_group_size)
+    config = swiftkv_config(base_config, num_key_value_layers, key_value_group_size, shift)
     log.info("converting %s (%d layers) to SwiftKV at c=%d, g=%d", base, config.num_hidden_layers,
              config.num_key_value_layers, key_value_group_size)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +169,7 @@ def convert_checkpoint(
             new = swiftkv_initial_weights(ShardedTensors(path), config)
             write_checkpoint(path, new, config, tmp)
         else:
-            swift = convert_model(load_base_model(path), config.num_key_value_layers, key_value_group_size)
+            swift = convert_model(load_base_model(path), config.num_key_value_layers, key_value_group_size, shift)
             swift.save_pretrained(tmp)
             AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
         make_readable(tmp)

@@ -12,7 +12,9 @@ that cutoff.
 The fit targets are taken before rotary (it is applied to both alike, at the same positions) and
 before any per-head key norm (Qwen3's ``k_norm``, which the student keeps as ``k_norm_swiftkv``).
 An AcrossKV group leader is fitted to the mean of its group's targets (what minimises the squared
-error summed over the group). A family with attention biases (Qwen2) gets its bias fitted too.
+error summed over the group). A family with attention biases (Qwen2) gets its bias fitted too. A
+token-shift layer (config ``key_value_shift_layers``) is fitted on ``x`` of the token and of the
+tokens before it side by side, its ``k/v_proj_swiftkv`` and ``k/v_shift_swiftkv`` in one solve.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from swiftkv.config import shift_layers
 from swiftkv.modeling.attention import is_group_leader
+from swiftkv.modeling.token_shift import shifted_states
 
 log = logging.getLogger(__name__)
 
@@ -134,49 +138,66 @@ def fit_swiftkv_kv(
         raise ValueError(f"the least-squares start fits k_proj/v_proj attention; {type(layers[c].self_attn).__name__} "
                          "has other key/value modules (use the copy start)")
     leaders = [j for j in range(c, n) if is_group_leader(j, c, g)]
+    shifted_layers = shift_layers(config)
     bias = layers[c].self_attn.k_proj.bias is not None
-    width = config.hidden_size + int(bias)
-    moments = {"fit": Moments.empty(width), "heldout": Moments.empty(width)}
+    # Two designs: x (every other leader) and [x, x of the tokens before] (the token-shift leaders).
+    widths = {False: config.hidden_size, True: config.hidden_size * (1 + config.key_value_shift_tokens)}
+    moments = {(split, shifted): Moments.empty(widths[shifted] + int(bias))
+               for split in ("fit", "heldout") for shifted in {False, bool(shifted_layers)}}
     norm = model.get_decoder().norm_swiftkv
     model.swiftkv(False)
     seen, handles = capture_teacher_kv(model, c, range(c, n))
     try:
         for i, row in enumerate(rows):
-            model.get_decoder()(input_ids=row["input_ids"].long(), position_ids=row["position_ids"].long(),
-                                use_cache=False)
-            x = norm(seen["h"]).flatten(0, -2).double()
-            if bias:
-                x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-            targets = {}
-            for j in leaders:
-                for kind in KINDS:
-                    group = [seen[f"{kind}{m}"].flatten(0, -2).double() for m in range(j, j + g)]
-                    targets[f"{kind}{j}"] = torch.stack(group).mean(0)
-            moments["heldout" if i % heldout_every == heldout_every - 1 else "fit"].add(x, targets)
+            positions = row["position_ids"].long()
+            model.get_decoder()(input_ids=row["input_ids"].long(), position_ids=positions, use_cache=False)
+            normed = norm(seen["h"])
+            designs = {False: normed}
+            if shifted_layers:
+                designs[True] = torch.cat(
+                    [normed, shifted_states(normed, positions, config.key_value_shift_tokens)[0]], dim=-1)
+            split = "heldout" if i % heldout_every == heldout_every - 1 else "fit"
+            for shifted, x in designs.items():
+                x = x.flatten(0, -2).double()
+                if bias:
+                    x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+                targets = {}
+                for j in leaders:
+                    if (j in shifted_layers) != shifted:
+                        continue
+                    for kind in KINDS:
+                        group = [seen[f"{kind}{m}"].flatten(0, -2).double() for m in range(j, j + g)]
+                        targets[f"{kind}{j}"] = torch.stack(group).mean(0)
+                moments[(split, shifted)].add(x, targets)
     finally:
         for handle in handles:
             handle.remove()
-    fit, heldout = moments["fit"], moments["heldout"]
-    if fit.tokens == 0 or heldout.tokens == 0:
+    if moments[("fit", False)].tokens == 0 or moments[("heldout", False)].tokens == 0:
         raise ValueError(f"the least-squares start needs at least {heldout_every} calibration rows")
     tensors, r2, copy_r2 = {}, {}, {}
+    hidden = config.hidden_size
     for j in leaders:
-        attention = layers[j].self_attn
+        attention, shifted = layers[j].self_attn, j in shifted_layers
+        fit, heldout = moments[("fit", shifted)], moments[("heldout", shifted)]
         for kind in KINDS:
             name = f"{kind}{j}"
-            solved = fit.solve(name, ridge)  # [width, out]
+            solved = fit.solve(name, ridge)  # [width, out]: own token, tokens before, bias
             r2[name] = heldout.r2(name, solved)
             current = getattr(attention, f"{kind}_proj_swiftkv")
-            before = current.weight.detach().double().T
+            before = [current.weight.detach().double().T]
+            if shifted:
+                before.append(getattr(attention, f"{kind}_shift_swiftkv").weight.detach().double().T)
             if bias:
-                before = torch.cat([before, current.bias.detach().double()[None]], dim=0)
-            copy_r2[name] = heldout.r2(name, before)
-            prefix = f"model.layers.{j}.self_attn.{kind}_proj_swiftkv"
+                before.append(current.bias.detach().double()[None])
+            copy_r2[name] = heldout.r2(name, torch.cat(before))
+            prefix = f"model.layers.{j}.self_attn.{kind}"
             dtype = current.weight.dtype
-            tensors[f"{prefix}.weight"] = solved[: config.hidden_size].T.contiguous().to(dtype)
+            tensors[f"{prefix}_proj_swiftkv.weight"] = solved[:hidden].T.contiguous().to(dtype)
+            if shifted:
+                tensors[f"{prefix}_shift_swiftkv.weight"] = solved[hidden: widths[True]].T.contiguous().to(dtype)
             if bias:
-                tensors[f"{prefix}.bias"] = solved[-1].to(dtype)
-    result = KVFit(tensors, r2, copy_r2, fit.tokens, heldout.tokens)
+                tensors[f"{prefix}_proj_swiftkv.bias"] = solved[-1].to(dtype)
+    result = KVFit(tensors, r2, copy_r2, moments[("fit", False)].tokens, moments[("heldout", False)].tokens)
     log.info("least-squares K/V start at c=%d over %d tokens (%d held out): %s", c, fit.tokens, heldout.tokens,
              ", ".join(f"{k} {v:.3f}" for k, v in result.summary().items()))
     return result

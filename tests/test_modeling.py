@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from swiftkv.modeling import LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM
-from tests.tiny import tiny_config, tiny_swiftkv_model
+from tests.tiny import SWIFTKV_FIELDS, tiny_config, tiny_swiftkv_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v2-q_lora"]
 
@@ -30,8 +30,8 @@ def padded_batch(lengths: list[int], vocab: int = 1000, seed: int = 0) -> dict[s
 
 def base_twin(swift):
     """The family's plain model with the SwiftKV model's base weights."""
-    fields = {k: v for k, v in swift.config.to_dict().items() if k not in
-              ("model_type", "architectures", "swiftkv", "num_key_value_layers", "key_value_group_size")}
+    fields = {k: v for k, v in swift.config.to_dict().items()
+              if k not in ("model_type", "architectures", *SWIFTKV_FIELDS)}
     base = AutoModelForCausalLM.from_config(AutoConfig.for_model(swift.config.model_type[: -len("_swiftkv")], **fields))
     missing, unexpected = base.load_state_dict(swift.state_dict(), strict=False)
     assert not missing and unexpected and all("_swiftkv" in k for k in unexpected)

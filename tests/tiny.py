@@ -3,9 +3,15 @@ that a wrong wiring changes the outputs (the converted init would make some bugs
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from swiftkv.config import SwiftKVFields
 from swiftkv.modeling import FAMILIES
+
+SWIFTKV_FIELDS = tuple(field.name for field in dataclasses.fields(SwiftKVFields))
+"""The config keys SwiftKV adds, which a base model's config does not have."""
 
 # The bundled SmolLM2 tokenizer's vocabulary, so tiny checkpoints can reuse a real tokenizer.
 TINY_VOCAB = 49152
@@ -124,8 +130,7 @@ def save_tiny_base(
 
     config = tiny_config(family, num_hidden_layers=num_hidden_layers, **config_overrides)
     fields = {k: v for k, v in config.to_dict().items()
-              if k not in ("model_type", "architectures", "swiftkv", "num_key_value_layers",
-                           "key_value_group_size", "transformers_version")}
+              if k not in ("model_type", "architectures", "transformers_version", *SWIFTKV_FIELDS)}
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(split_family(family)[0], **fields))
     with torch.no_grad():  # norms away from their all-ones init, so that a norm read from the wrong place shows

@@ -36,6 +36,7 @@ from swiftkv.config import (
     is_moe_layer,
     layer_types,
     qkv_has_bias,
+    shift_layers,
 )
 
 # Bytes per stored K or V element for --kv-cache-dtype.
@@ -233,7 +234,13 @@ def prefill_flops(
     if num_key_value_layers is None:
         return _prefill_flops(shape, seq_len, shape.num_layers, shape.num_layers)
     c, g = swiftkv_layout(config, num_key_value_layers, key_value_group_size)
-    return _prefill_flops(shape, seq_len, c, c + (shape.num_layers - c) // g)
+    return _prefill_flops(shape, seq_len, c, c + (shape.num_layers - c) // g + shift_kv_projections(config))
+
+
+def shift_kv_projections(config) -> int:
+    """A token shift's extra K/V work, in K/V projections: each shift layer projects the states of
+    ``key_value_shift_tokens`` tokens before (0 for a config without it)."""
+    return len(shift_layers(config)) * getattr(config, "key_value_shift_tokens", 0)
 
 
 def predicted_prefill_ratio(config, seq_len: int, num_key_value_layers: int, key_value_group_size: int = 1) -> float:
@@ -277,6 +284,7 @@ def swiftkv_param_count(config, num_key_value_layers: int, key_value_group_size:
     c, g = swiftkv_layout(config, num_key_value_layers, key_value_group_size)
     later = s.num_layers - c
     trainable = s.hidden + later * s.query.params + later // g * s.key_value.params
+    trainable += shift_kv_projections(config) * s.key_value.weights  # the shift projections have no bias
     return trainable, base_param_count(config) + trainable
 
 

@@ -23,17 +23,24 @@ def add_parser(subparsers) -> None:
                        "is skipped, c = ceil(L (1 - F)); 0.5 gives c = L/2, 0.25 gives c = 3L/4 (default: 50%% "
                        "SwiftKV, as for a config without num_key_value_layers)")
     p.add_argument("--key-value-group-size", type=int, default=1, help="AcrossKV group size g (1 = off)")
+    p.add_argument("--key-value-shift-layers", type=int, nargs="+", default=[], metavar="J",
+                   help="token shift (docs/distillation.md): layers after the cutoff whose SwiftKV K/V also read "
+                   "the cutoff state of the tokens before; starts at zero, for distillation (not served by vLLM yet)")
+    p.add_argument("--key-value-shift-tokens", type=int, default=0, metavar="N",
+                   help="how many tokens before each token those layers read (with --key-value-shift-layers)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from swiftkv.config import TokenShift
     from swiftkv.convert import convert_checkpoint
     from swiftkv.model_source import resolve_model
 
     out = convert_checkpoint(
         resolve_model(args.base), args.out, num_key_value_layers=args.num_key_value_layers,
         key_value_group_size=args.key_value_group_size, cutoff=args.cutoff, overwrite=args.overwrite,
+        shift=TokenShift(tuple(args.key_value_shift_layers), args.key_value_shift_tokens),
     )
     print(out)
     return 0

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from swiftkv import yaml_config
+from swiftkv.config import TokenShift
 from swiftkv.yaml_config import StrictConfig
 
 SourceFormat = Literal["ultrachat", "openhermes", "slimorca", "messages", "chitchat"]
@@ -218,6 +219,21 @@ class InitConfig(StrictConfig):
     scores the fit (R², logged and saved as ``init_fit.json`` beside the start)."""
 
 
+class TokenShiftConfig(StrictConfig):
+    """The token shift, a SwiftKV variant (docs/distillation.md, "Token shift"); off by default.
+    Not served by the vLLM plugin yet: a checkpoint with it runs in Hugging Face transformers."""
+
+    layers: list[int] = []
+    """Layers after the cutoff whose SwiftKV K/V also read the cutoff state of the tokens before
+    (e.g. ``[17, 18]`` on SmolLM2-135M at c = 15, where a previous-token head sits after the cutoff)."""
+
+    tokens: int = Field(default=0, ge=0)
+    """How many tokens before each token they read (0 = off; 1 or 2)."""
+
+    def as_shift(self) -> TokenShift:
+        return TokenShift(tuple(self.layers), self.tokens)
+
+
 class DeepSpeedConfig(StrictConfig):
     zero_stage: Literal[2, 3] = 2
     """ZeRO stage: 2 shards gradients and optimizer state, 3 also the parameters."""
@@ -252,6 +268,7 @@ class DistillConfig(StrictConfig):
     key_value_group_size: int = Field(default=1, gt=0)
     """AcrossKV group size (1 = off)."""
 
+    token_shift: TokenShiftConfig = TokenShiftConfig()
     init: InitConfig = InitConfig()
     data: DataConfig
     train: TrainConfig = TrainConfig()

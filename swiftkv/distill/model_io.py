@@ -26,7 +26,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 import swiftkv.modeling  # noqa: F401  (registers the SwiftKV Auto classes)
 from swiftkv.checkpoint_files import write_checkpoint
-from swiftkv.convert import convert_checkpoint, convert_model, load_base_model
+from swiftkv.config import NO_SHIFT, TokenShift, shift_layers
+from swiftkv.convert import convert_checkpoint, convert_model, load_base_model, swiftkv_config
 from swiftkv.model_source import resolve_model
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,10 @@ def load_student(
     key_value_group_size: int,
     dtype: torch.dtype,
     deepspeed_config: dict[str, Any] | None = None,
+    shift: TokenShift = NO_SHIFT,
 ):
     """The SwiftKV model to distil: converted from a base checkpoint, or a SwiftKV checkpoint as it is
-    (whose cutoff and group size must then agree with the config's, when given).
+    (whose cutoff, group size and token shift must then agree with the config's, when given).
 
     With a ZeRO-3 ``deepspeed_config`` a SwiftKV checkpoint is loaded already partitioned; a base
     checkpoint is converted whole on every worker first (``convert_once`` avoids that)."""
@@ -70,6 +72,10 @@ def load_student(
                 f"{path} is a SwiftKV checkpoint with num_key_value_layers={have[0]}, key_value_group_size="
                 f"{have[1]}, but the config asks for {want[0]}, {want[1]}"
             )
+        have_shift = TokenShift(tuple(shift_layers(config)), getattr(config, "key_value_shift_tokens", 0))
+        if shift.layers and shift != have_shift:
+            raise ValueError(f"{path} is a SwiftKV checkpoint with the token shift {have_shift}, but the config "
+                             f"asks for {shift}")
         with zero3_partitioned_init(deepspeed_config) if zero3 else nullcontext():
             return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if zero3:
@@ -77,7 +83,16 @@ def load_student(
             "%s is a base checkpoint: every worker converts the whole model before ZeRO-3 shards it "
             "(the distillation job avoids this: it loads a conversion made once by convert_once)", path
         )
-    return convert_model(load_base_model(path, dtype=dtype), num_key_value_layers, key_value_group_size)
+    return convert_model(load_base_model(path, dtype=dtype), num_key_value_layers, key_value_group_size, shift)
+
+
+def check_layout(path: str, num_key_value_layers: int | None, key_value_group_size: int, shift: TokenShift) -> None:
+    """Raise ``ValueError`` naming the field if the SwiftKV layout asked for does not fit the base
+    checkpoint ``path`` (a cutoff out of range, a token-shift layer that computes no K/V...): read
+    from its config alone, before any worker starts. A SwiftKV checkpoint is checked by ``load_student``."""
+    config = AutoConfig.from_pretrained(path)
+    if not config.model_type.endswith("_swiftkv"):
+        swiftkv_config(config, num_key_value_layers, key_value_group_size, shift)
 
 
 def conversion_memory_bytes(path: str, num_key_value_layers: int | None = None, key_value_group_size: int = 1) -> int:
@@ -117,18 +132,20 @@ def _upload(local: Path, target: str) -> None:
         fs.put_file(str(file), f"{root}/{file.name}")
 
 
-def convert_once(base: str, parent: str, num_key_value_layers: int | None, key_value_group_size: int) -> str:
+def convert_once(base: str, parent: str, num_key_value_layers: int | None, key_value_group_size: int,
+                 shift: TokenShift = NO_SHIFT) -> str:
     """Write the SwiftKV conversion of the model reference ``base`` under ``parent`` (a folder or an
     fsspec URI such as ``s3://``) and return where: ``student-init-<hash of the arguments>``, so a
     rerun with the same arguments finds and keeps it, and other arguments never meet a stale one."""
     target, done = _starting_folder(parent, "student-init",
-                                    json.dumps([base, num_key_value_layers, key_value_group_size]).encode())
+                                    json.dumps([base, num_key_value_layers, key_value_group_size,
+                                                *([shift.config_fields()] if shift.layers else [])]).encode())
     if done:
         log.info("reusing the SwiftKV conversion in %s", target)
         return target
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "model"
-        convert_checkpoint(resolve_model(base), local, num_key_value_layers, key_value_group_size)
+        convert_checkpoint(resolve_model(base), local, num_key_value_layers, key_value_group_size, shift=shift)
         log.info("uploading the SwiftKV conversion of %s to %s", base, target)
         _upload(local, target)
     return target
@@ -138,7 +155,7 @@ INIT_FIT = "init_fit.json"
 
 
 def least_squares_once(base: str, parent: str, num_key_value_layers: int | None, key_value_group_size: int,
-                       rows: list[dict[str, Any]], dtype: torch.dtype) -> str:
+                       rows: list[dict[str, Any]], dtype: torch.dtype, shift: TokenShift = NO_SHIFT) -> str:
     """Write the SwiftKV conversion of ``base`` with its key/value projections fitted by least squares
     on the calibration ``rows`` (``swiftkv.least_squares_init``) under ``parent``, with the fit's R²
     in ``init_fit.json``, and return where: ``student-init-ls-<hash of the arguments and rows>``
@@ -146,14 +163,15 @@ def least_squares_once(base: str, parent: str, num_key_value_layers: int | None,
     from swiftkv.checkpoint_files import has_safetensors
     from swiftkv.least_squares_init import fit_swiftkv_kv
 
-    key = json.dumps([base, num_key_value_layers, key_value_group_size, str(dtype)]).encode()
+    key = json.dumps([base, num_key_value_layers, key_value_group_size, str(dtype),
+                      *([shift.config_fields()] if shift.layers else [])]).encode()
     key += b"".join(row["input_ids"].tobytes() + row["position_ids"].tobytes() for row in rows)
     target, done = _starting_folder(parent, "student-init-ls", key)
     if done:
         log.info("reusing the least-squares start in %s", target)
         return target
     path = resolve_model(base)
-    model = convert_model(load_base_model(path, dtype=dtype), num_key_value_layers, key_value_group_size)
+    model = convert_model(load_base_model(path, dtype=dtype), num_key_value_layers, key_value_group_size, shift)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fit = fit_swiftkv_kv(model.to(device), ({k: torch.tensor(row[k], device=device)[None] for k in
                                              ("input_ids", "position_ids")} for row in rows))

@@ -123,7 +123,8 @@ class Worker:
         self.tokenizer = load_tokenizer(self.start)
         dtype = torch.bfloat16 if cfg.scaling.use_gpu else torch.float32
         ds_config = deepspeed_config(cfg)
-        self.model = load_student(self.start, cfg.num_key_value_layers, cfg.key_value_group_size, dtype, ds_config)
+        self.model = load_student(self.start, cfg.num_key_value_layers, cfg.key_value_group_size, dtype, ds_config,
+                                  cfg.token_shift.as_shift())
         if cfg.train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         trainable = freeze_all_but_swiftkv(self.model)

@@ -21,6 +21,8 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward, rotate_half
 
+from swiftkv.config import shift_layers
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of one tensor ``[batch, heads, tokens, head_dim]`` at its tokens' positions."""
@@ -56,11 +58,24 @@ class SwiftKVAttentionMixin:
         for name in names:
             if getattr(self, name, None) is not None:  # e.g. DeepSeek has q_proj or the q_a/q_b pair
                 setattr(self, f"{name}_swiftkv", _like(getattr(self, name)))
+        if layer_idx in shift_layers(config):
+            if not all(hasattr(self, f"{kind}_proj") for kind in ("k", "v")):
+                raise ValueError(f"key_value_shift_layers: the token shift needs k_proj/v_proj attention; "
+                                 f"{type(self).__name__} has other key/value modules")
+            # The tokens before enter through their own projection (no bias: the own token's has it).
+            for kind in ("k", "v"):
+                own = getattr(self, f"{kind}_proj")
+                setattr(self, f"{kind}_shift_swiftkv",
+                        nn.Linear(config.key_value_shift_tokens * own.in_features, own.out_features, bias=False))
 
-    def _heads(self, kind: str, x: torch.Tensor) -> torch.Tensor:
-        """``{kind}_proj_swiftkv(x)`` as ``[batch, heads, tokens, head_dim]``, through the per-head
-        ``{kind}_norm_swiftkv`` where the family has one (Qwen3's q/k norms)."""
-        out = getattr(self, f"{kind}_proj_swiftkv")(x).view(*x.shape[:-1], -1, self.head_dim)
+    def _heads(self, kind: str, x: torch.Tensor, shifted: torch.Tensor | None = None) -> torch.Tensor:
+        """``{kind}_proj_swiftkv(x)`` (plus ``{kind}_shift_swiftkv(shifted)`` on a token-shift layer) as
+        ``[batch, heads, tokens, head_dim]``, through the per-head ``{kind}_norm_swiftkv`` where the
+        family has one (Qwen3's q/k norms)."""
+        out = getattr(self, f"{kind}_proj_swiftkv")(x)
+        if shifted is not None:
+            out = out + getattr(self, f"{kind}_shift_swiftkv")(shifted)
+        out = out.view(*x.shape[:-1], -1, self.head_dim)
         norm = getattr(self, f"{kind}_norm_swiftkv", None)
         return (out if norm is None else norm(out)).transpose(1, 2)
 
@@ -69,12 +84,13 @@ class SwiftKVAttentionMixin:
         return apply_rope(self._heads("q", hidden_states), *position_embeddings)
 
     def swiftkv_cache_entry(
-        self, normed_cutoff_state: torch.Tensor, position_embeddings
+        self, normed_cutoff_state: torch.Tensor, position_embeddings, shifted: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What this group leader stores in the KV cache for every token, from ``norm_swiftkv(h)``:
-        K (with rotary) and V."""
-        key = apply_rope(self._heads("k", normed_cutoff_state), *position_embeddings)
-        return key, self._heads("v", normed_cutoff_state)
+        K (with rotary) and V. ``shifted``: on a token-shift layer, the normed cutoff states of the
+        tokens before (``swiftkv.modeling.token_shift``)."""
+        key = apply_rope(self._heads("k", normed_cutoff_state, shifted), *position_embeddings)
+        return key, self._heads("v", normed_cutoff_state, shifted)
 
     def swiftkv_expand(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V the group's layers attend to, from the cache entries (past + new tokens)."""

@@ -32,8 +32,9 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from swiftkv.config import layer_types
+from swiftkv.config import layer_types, shift_layers
 from swiftkv.modeling.attention import is_group_leader
+from swiftkv.modeling.token_shift import shifted_for_cache
 
 
 def _last_position(rope):
@@ -141,7 +142,7 @@ class SwiftKVModelMixin:
                     "SwiftKV prefill skipping does not support attn_implementation='flex_attention': load the "
                     "model with attn_implementation='sdpa' or 'eager'"
                 )
-            key_values = self._swiftkv_key_values(hidden, rope, past_key_values)
+            key_values = self._swiftkv_key_values(hidden, rope, position_ids, past_key_values)
             if skip:
                 # Prefill skipping: only the last token of each sequence goes on.
                 hidden = hidden[:, -1:]
@@ -157,21 +158,25 @@ class SwiftKVModelMixin:
         )
 
     def _swiftkv_key_values(
-        self, cutoff_state: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], past_key_values
+        self, cutoff_state: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], position_ids: torch.Tensor,
+        past_key_values,
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """K/V (past + new tokens) that each layer ``>= c`` attends to, keyed by layer index.
 
         Only group leaders compute and cache K/V (DeepSeek-V2: the latent, expanded by the leader
         after the cache); the other layers of a group read the leader's (their cache entries stay
-        empty)."""
+        empty). Token-shift layers also read the tokens before (``token_shift.py``)."""
         config = self.config
         c, g = config.num_key_value_layers, config.key_value_group_size
         normed = self.norm_swiftkv(cutoff_state)
+        shifted_layers = shift_layers(config)
+        if shifted_layers:
+            shifted = shifted_for_cache(normed, position_ids, config.key_value_shift_tokens, past_key_values)
         key_values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for j in range(c, config.num_hidden_layers):
             if is_group_leader(j, c, g):
                 leader = self.layers[j].self_attn
-                entry = leader.swiftkv_cache_entry(normed, rope)
+                entry = leader.swiftkv_cache_entry(normed, rope, *([shifted] if j in shifted_layers else []))
                 if past_key_values is not None:
                     entry = past_key_values.update(*entry, j)
                 leader_kv = leader.swiftkv_expand(*entry)
@@ -213,7 +218,8 @@ class SwiftKVForCausalLMMixin:
         return self
 
     def swiftkv_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The weights SwiftKV adds (``norm_swiftkv``, ``q/k/v_proj_swiftkv``): the ones distillation trains."""
+        """The weights SwiftKV adds (``norm_swiftkv``, ``q/k/v_proj_swiftkv``, a token shift's
+        ``k/v_shift_swiftkv``): the ones distillation trains."""
         return [(name, p) for name, p in self.named_parameters() if "_swiftkv" in name]
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
-from swiftkv.config import attention_head_dim, check_swiftkv_shape, has_qk_norm, qkv_has_bias
+from swiftkv.config import attention_head_dim, check_swiftkv_shape, has_qk_norm, qkv_has_bias, shift_layers
 from swiftkv.modeling import FAMILIES
 
 # The SwiftKV model types the plugin serves: every family of swiftkv.modeling.
@@ -82,6 +82,12 @@ class SwiftKVLayout:
         num_layers = config.num_hidden_layers
         if config.swiftkv:
             check_swiftkv_shape(num_layers, config.num_key_value_layers, config.key_value_group_size)
+        if shift_layers(config):
+            raise ValueError(
+                f"key_value_shift_layers={shift_layers(config)}: the token shift (docs/distillation.md) is not "
+                "served by the SwiftKV vLLM plugin yet; serve a checkpoint without it, or run it with "
+                "Hugging Face transformers"
+            )
         heads = HeadLayout(
             total_num_heads=config.num_attention_heads,
             total_num_kv_heads=config.num_key_value_heads,
