@@ -169,3 +169,10 @@ def test_a_distillation_recipe_names_a_bad_shift_before_any_worker_starts(tmp_pa
     check_layout(base, 2, 1, TokenShift((3, 5), 1))  # a good one passes
     with pytest.raises(ValueError, match="token_shift.tokens"):
         parse_config({**recipe, "token_shift": {"layers": [3], "tokens": -1}})
+
+
+def test_beam_search_is_refused_with_a_shift():
+    model = _shifted_model()
+    with pytest.raises(ValueError, match="beam search is not supported with a token shift"):
+        model.generate(torch.randint(3, 1000, (1, 8)), num_beams=2, max_new_tokens=2)
+    model.generate(torch.randint(3, 1000, (1, 8)), max_new_tokens=2, do_sample=False)  # greedy runs

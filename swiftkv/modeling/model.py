@@ -222,6 +222,16 @@ class SwiftKVForCausalLMMixin:
         ``k/v_shift_swiftkv``): the ones distillation trains."""
         return [(name, p) for name, p in self.named_parameters() if "_swiftkv" in name]
 
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``, refusing beam search with a token shift: it reorders the
+        cache's K/V between steps but not the recent cutoff states the shift keeps beside them."""
+        if shift_layers(self.config):
+            settings = kwargs.get("generation_config") or self.generation_config
+            if (kwargs.get("num_beams") or settings.num_beams or 1) > 1:
+                raise ValueError("beam search is not supported with a token shift (key_value_shift_layers); "
+                                 "use greedy decoding or sampling")
+        return super().generate(*args, **kwargs)
+
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         # The SwiftKV K/V reach layers >= c as keyword tensors; reentrant checkpointing would drop
         # their gradients (and so train no k/v_proj_swiftkv), so it is refused.

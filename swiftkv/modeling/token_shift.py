@@ -9,7 +9,7 @@ left-padded batches (positions counted from the first real token) need no mask o
 
 Decoding keeps the last ``key_value_shift_tokens`` normed states of each sequence on the
 transformers cache object (``swiftkv_recent_states``), read and written only here; beam search,
-which reorders the cache, is not supported with the token shift.
+which reorders the cache, is refused (``SwiftKVForCausalLMMixin.generate``).
 """
 
 from __future__ import annotations
