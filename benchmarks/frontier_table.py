@@ -20,10 +20,11 @@ from typing import Any
 
 from pydantic import Field
 
+from benchmarks.quality_frontier import TOKEN_SHIFT, row_label
 from swiftkv.yaml_config import StrictConfig, job_main
 
 log = logging.getLogger("benchmarks.frontier_table")
-METHOD_ORDER = {"base": 0, "swiftkv": 1, "rewired": 2, "drop layers": 3}
+METHOD_ORDER = {"base": 0, "swiftkv": 1, TOKEN_SHIFT: 2, "rewired": 3, "drop layers": 4}
 
 
 class FrontierTableConfig(StrictConfig):
@@ -64,7 +65,7 @@ def combine(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             raise ValueError(f"{folder}: its base scored otherwise than {first}'s on the tasks "
                              "(another base model or other documents)")
         for row in rows:
-            merged.setdefault(row["model"], row)
+            merged.setdefault(row_label(row), row)
     return sorted(merged.values(), key=lambda r: (r["prefill_saving"], METHOD_ORDER[r["method"]]))
 
 

@@ -51,6 +51,29 @@ class FrontierConfig(StrictConfig):
     """Output folder: ``swiftkv-c<c>/`` and ``drop-c<c>/`` runs, ``eval/``, the table and the plot."""
 
 
+TOKEN_SHIFT = "swiftkv + token shift"
+SWIFTKV_METHODS = ("swiftkv", TOKEN_SHIFT)
+"""A distilled SwiftKV row's method: as published, or with the recipe's token shift."""
+
+
+def _method(recipe) -> dict[str, Any]:
+    """A distilled run's method, and its token shift when the recipe has one."""
+    shift = recipe.token_shift
+    if not shift.layers:
+        return {"method": "swiftkv"}
+    return {"method": TOKEN_SHIFT, "token_shift": {"layers": shift.layers, "tokens": shift.tokens}}
+
+
+def row_label(row: dict[str, Any]) -> str:
+    """The model's name in the tables, with its token shift when it has one (a shifted run shares
+    its folder name, ``swiftkv-c<c>``, with the plain one)."""
+    shift = row.get("token_shift")
+    if not shift:
+        return row["model"]
+    layers = ", ".join(str(j) for j in shift["layers"])
+    return f"{row['model']} + token shift (layers {layers}, {shift['tokens']} before)"
+
+
 def _init_fit(run_dir: Path) -> dict[str, float]:
     """The least-squares start's R² summary of a distillation run, if it had one."""
     from swiftkv.distill.model_io import INIT_FIT
@@ -84,7 +107,7 @@ def train_all(cfg: FrontierConfig, out: Path) -> tuple[dict[str, str], dict[str,
                                                   "output": recipe.output.model_copy(update={"name": name})}))
             checkpoint = sorted((out / name).glob(f"step_*/{MODEL_DIR}/config.json"))
         models[name] = str(checkpoint[-1].parent)
-        facts[name] = {"method": "swiftkv", "cutoff": c, **_init_fit(out / name)}
+        facts[name] = {**_method(recipe), "cutoff": c, **_init_fit(out / name)}
         # The paper's rewired model (the copy start, undistilled): the gate's recovered share needs it.
         rewired = out / f"rewired-c{c}"
         if not (rewired / "config.json").is_file():
@@ -120,7 +143,7 @@ def frontier_rows(results: dict[str, Any], facts: dict[str, dict[str, Any]]) -> 
     from swiftkv.evaluation.gate import GateConfig, judge
     from swiftkv.evaluation.needle import by_length
 
-    paired = next((m for m, fact in facts.items() if fact["method"] == "swiftkv"
+    paired = next((m for m, fact in facts.items() if fact["method"] in SWIFTKV_METHODS
                    and "cells" in results["long_context"].get(m, {})), None)
     rows = []
     for model, fact in facts.items():
@@ -140,7 +163,7 @@ def frontier_rows(results: dict[str, Any], facts: dict[str, dict[str, Any]]) -> 
             row["recall"] = pool(recall["cells"])
         row["tasks"] = {task: parts[model] for task, parts in results["quality"].items()
                         if "score" in (parts.get(model) or {})}
-        if fact["method"] == "swiftkv":
+        if fact["method"] in SWIFTKV_METHODS:
             lengths = [int(x) for x in row.get("retrieval", {})]
             gate = GateConfig(model=model, base="base", rewired=f"rewired-c{fact['cutoff']}",
                               retrieval_lengths=[x for x in lengths if x <= 2048] or [512, 2048])
@@ -170,7 +193,7 @@ def _base_from_pairs(rows: list[dict[str, Any]]) -> None:
     """The base's retrieval and recall when it was not probed itself: every SwiftKV model's probe
     scores the base on the same prompts (the first SwiftKV row's figures, with a difference of 0)."""
     base = next(r for r in rows if r["method"] == "base")
-    paired = next((r for r in rows if r["method"] == "swiftkv" and "retrieval" in r), None)
+    paired = next((r for r in rows if r["method"] in SWIFTKV_METHODS and "retrieval" in r), None)
     if paired is None or "retrieval" in base:
         return
 
@@ -192,7 +215,7 @@ def format_frontier(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in rows:
         r2 = (f"{r['k_r2_least_squares']:.2f} / {r['v_r2_least_squares']:.2f}" if "k_r2_least_squares" in r else "-")
-        cells = [r["model"], f"{100 * r['prefill_saving']:.0f}%", r2]
+        cells = [row_label(r), f"{100 * r['prefill_saving']:.0f}%", r2]
         for x in lengths:
             cell = r.get("retrieval", {}).get(str(x))
             cells.append(f"{100 * cell['exact']:.0f}% ({cell['delta']:+.1f})" if cell else "-")
@@ -237,7 +260,7 @@ def plot_frontier(rows: list[dict[str, Any]]) -> bytes:
                if r["tasks"] else None)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))  # recall and tasks: two at least
     for ax, (title, value) in zip(axes, panels, strict=True):
-        for method, style in (("swiftkv", "-o"), ("drop layers", "--s")):
+        for method, style in (("swiftkv", "-o"), (TOKEN_SHIFT, ":^"), ("drop layers", "--s")):
             points = sorted((100 * r["prefill_saving"], value(r)) for r in rows
                             if r["method"] == method and value(r) is not None)
             if points:
@@ -259,7 +282,7 @@ def run(cfg: FrontierConfig) -> dict[str, Any]:
     evaluation = load_config(EvalConfig, cfg.evaluate, cfg.evaluate_overrides, "evaluation config")
     models, facts = train_all(cfg, out)
     # The probes run on the trained models; each scores its base on the same prompts beside it.
-    probed = [m for m, fact in facts.items() if fact["method"] in ("swiftkv", "drop layers")]
+    probed = [m for m, fact in facts.items() if fact["method"] in (*SWIFTKV_METHODS, "drop layers")]
     evaluation = EvalConfig.model_validate({**evaluation.model_dump(), "models": models, "out": str(out / "eval"),
                                             "probe_models": evaluation.probe_models or probed})
     results = run_evaluate(evaluation)

@@ -10,7 +10,7 @@ import torch
 
 from benchmarks import frontier_table
 from benchmarks.drop_layers import healed_layers, shortened
-from benchmarks.quality_frontier import format_frontier, frontier_rows, plot_frontier
+from benchmarks.quality_frontier import TOKEN_SHIFT, format_frontier, frontier_rows, plot_frontier
 from swiftkv.analysis.flops import swiftkv_param_count
 from tests.test_quality_gate import _cell
 from tests.tiny import save_tiny_base
@@ -32,9 +32,10 @@ def test_the_shortened_model_is_the_bases_first_layers(tmp_path):
     assert heal * per_layer >= swiftkv_param_count(base.config, 3, 1)[0] > (heal - 1) * per_layer
 
 
-def _rows(c: int = 15, base_sciq: float = 0.8) -> list[dict]:
-    """A frontier run's rows at cutoff ``c`` (of 30 layers): the base, SwiftKV, its copy start and the
-    drop-layers baseline, as ``frontier_rows`` makes them from an evaluation's results."""
+def _rows(c: int = 15, base_sciq: float = 0.8, shift: dict | None = None) -> list[dict]:
+    """A frontier run's rows at cutoff ``c`` (of 30 layers): the base, SwiftKV (with the token
+    ``shift`` when given), its copy start and the drop-layers baseline, as ``frontier_rows`` makes
+    them from an evaluation's results."""
 
     def needle(exact):
         return {"cells": [_cell(512, exact, 1.0), _cell(2048, exact / 2, 1.0)]}
@@ -57,7 +58,8 @@ def _rows(c: int = 15, base_sciq: float = 0.8) -> list[dict]:
     saved = (30 - c) / 30
     facts = {"base": {"method": "base", "cutoff": None, "prefill_saving": 0.0},
              f"swiftkv-c{c}": {"method": "swiftkv", "cutoff": c, "prefill_saving": saved, "k_r2_least_squares": 0.79,
-                               "v_r2_least_squares": 0.74},
+                               "v_r2_least_squares": 0.74,
+                               **({"method": TOKEN_SHIFT, "token_shift": shift} if shift else {})},
              f"rewired-c{c}": {"method": "rewired", "cutoff": c, "prefill_saving": saved},
              f"drop-c{c}": {"method": "drop layers", "cutoff": c, "prefill_saving": saved}}
     return frontier_rows(results, facts)
@@ -113,3 +115,17 @@ def test_runs_of_single_cutoffs_make_one_table(tmp_path, capsys):
     assert f"{small}: measured on other sizes" in capsys.readouterr().err
     assert frontier_table.main(["--set", f"runs={json.dumps([str(tmp_path / 'none')])}"]) == 2
     assert "none/frontier.json: no frontier here" in capsys.readouterr().err
+
+
+def test_a_token_shift_run_is_its_own_row_beside_the_plain_one(tmp_path):
+    plain = _write_run(tmp_path / "c15", _rows(15))
+    shifted = _write_run(tmp_path / "c15-shift", _rows(15, shift={"layers": [17, 18], "tokens": 2}))
+    out = tmp_path / "all"
+    assert frontier_table.main(["--set", f"runs={json.dumps([plain, shifted])}", "--set", f"out={out}"]) == 0
+    rows = json.loads((out / "frontier.json").read_text())["rows"]
+    assert [(r["model"], r["method"]) for r in rows if r["model"] == "swiftkv-c15"] == [
+        ("swiftkv-c15", "swiftkv"), ("swiftkv-c15", TOKEN_SHIFT)]
+    table = (out / "frontier.md").read_text()
+    assert "| swiftkv-c15 | 50% |" in table
+    assert "| swiftkv-c15 + token shift (layers 17, 18, 2 before) | 50% | 0.79 / 0.74 | 40% (-0.5) |" in table
+    assert table.count("**FAIL**") == 2  # each SwiftKV row judged by the gate
