@@ -28,6 +28,7 @@ from pydantic import Field
 
 from benchmarks.retrieval_layers import NeedleProbeConfig, Replacement, score_needles
 from swiftkv.least_squares_init import KINDS, Moments, capture_teacher_kv
+from swiftkv.modeling.token_shift import shifted_states
 from swiftkv.yaml_config import job_main
 
 
@@ -66,9 +67,10 @@ class KVTokenShiftConfig(NeedleProbeConfig):
 
 def token_features(x: torch.Tensor, n: int) -> torch.Tensor:
     """``[T, H]`` cutoff states of one sequence -> ``[T, n * H + 1]``: each token's own state, those of
-    the ``n - 1`` tokens before it (zeros before the first token) and a column of ones (a bias)."""
-    shifted = [torch.cat([x.new_zeros(min(s, len(x)), x.shape[1]), x[: len(x) - s]]) for s in range(n)]
-    return torch.cat([*shifted, x.new_ones(len(x), 1)], dim=1)
+    the ``n - 1`` tokens before it (the model's token shift: zeros before the first token) and a
+    column of ones (a bias)."""
+    before = [shifted_states(x[None], torch.arange(len(x))[None], n - 1)[0][0]] if n > 1 else []
+    return torch.cat([x, *before, x.new_ones(len(x), 1)], dim=1)
 
 
 @torch.no_grad()
