@@ -45,8 +45,12 @@ class SwiftKVFields:
 
     def to_dict(self) -> dict:
         """The config as saved, with RoPE also in the form transformers 4.x reads (see
-        :func:`with_legacy_rope_fields`)."""
-        return with_legacy_rope_fields(super().to_dict())
+        :func:`with_legacy_rope_fields`), and the token-shift fields only when there is one."""
+        fields = with_legacy_rope_fields(super().to_dict())
+        if not fields.get("key_value_shift_layers"):  # without a token shift: exactly the published layout
+            fields.pop("key_value_shift_layers", None)
+            fields.pop("key_value_shift_tokens", None)
+        return fields
 
     def validate_swiftkv(self) -> None:
         """Fill the cutoff default and check the SwiftKV fields against the layer count."""

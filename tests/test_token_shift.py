@@ -5,6 +5,8 @@ student, the least-squares start fits the shift, and bad fields are refused by n
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -176,3 +178,13 @@ def test_beam_search_is_refused_with_a_shift():
     with pytest.raises(ValueError, match="beam search is not supported with a token shift"):
         model.generate(torch.randint(3, 1000, (1, 8)), num_beams=2, max_new_tokens=2)
     model.generate(torch.randint(3, 1000, (1, 8)), max_new_tokens=2, do_sample=False)  # greedy runs
+
+
+def test_config_json_names_the_shift_only_when_there_is_one(tmp_path):
+    from transformers import AutoConfig
+
+    for name, fields in (("plain", {}), ("shifted", SHIFT)):
+        tiny_config("llama", num_hidden_layers=6, num_key_value_layers=2, **fields).save_pretrained(tmp_path / name)
+    assert not [k for k in json.loads((tmp_path / "plain" / "config.json").read_text()) if "shift" in k]
+    loaded = AutoConfig.from_pretrained(tmp_path / "shifted")
+    assert (loaded.key_value_shift_layers, loaded.key_value_shift_tokens) == ([3, 4], 2)
