@@ -198,6 +198,6 @@ def fit_swiftkv_kv(
             if bias:
                 tensors[f"{prefix}_proj_swiftkv.bias"] = solved[-1].to(dtype)
     result = KVFit(tensors, r2, copy_r2, moments[("fit", False)].tokens, moments[("heldout", False)].tokens)
-    log.info("least-squares K/V start at c=%d over %d tokens (%d held out): %s", c, fit.tokens, heldout.tokens,
-             ", ".join(f"{k} {v:.3f}" for k, v in result.summary().items()))
+    log.info("least-squares K/V start at c=%d over %d tokens (%d held out): %s", c, result.fit_tokens,
+             result.heldout_tokens, ", ".join(f"{k} {v:.3f}" for k, v in result.summary().items()))
     return result
