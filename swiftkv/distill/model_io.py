@@ -132,14 +132,21 @@ def _upload(local: Path, target: str) -> None:
         fs.put_file(str(file), f"{root}/{file.name}")
 
 
+def _layout_key(base: str, num_key_value_layers: int | None, key_value_group_size: int, shift: TokenShift,
+                *extra: str) -> bytes:
+    """What names a conversion of ``base``: the layout asked for (the token shift only when there is
+    one, so conversions made before it existed keep their folders)."""
+    shifted = [shift.config_fields()] if shift.layers else []
+    return json.dumps([base, num_key_value_layers, key_value_group_size, *extra, *shifted]).encode()
+
+
 def convert_once(base: str, parent: str, num_key_value_layers: int | None, key_value_group_size: int,
                  shift: TokenShift = NO_SHIFT) -> str:
     """Write the SwiftKV conversion of the model reference ``base`` under ``parent`` (a folder or an
     fsspec URI such as ``s3://``) and return where: ``student-init-<hash of the arguments>``, so a
     rerun with the same arguments finds and keeps it, and other arguments never meet a stale one."""
     target, done = _starting_folder(parent, "student-init",
-                                    json.dumps([base, num_key_value_layers, key_value_group_size,
-                                                *([shift.config_fields()] if shift.layers else [])]).encode())
+                                    _layout_key(base, num_key_value_layers, key_value_group_size, shift))
     if done:
         log.info("reusing the SwiftKV conversion in %s", target)
         return target
@@ -163,8 +170,7 @@ def least_squares_once(base: str, parent: str, num_key_value_layers: int | None,
     from swiftkv.checkpoint_files import has_safetensors
     from swiftkv.least_squares_init import fit_swiftkv_kv
 
-    key = json.dumps([base, num_key_value_layers, key_value_group_size, str(dtype),
-                      *([shift.config_fields()] if shift.layers else [])]).encode()
+    key = _layout_key(base, num_key_value_layers, key_value_group_size, shift, str(dtype))
     key += b"".join(row["input_ids"].tobytes() + row["position_ids"].tobytes() for row in rows)
     target, done = _starting_folder(parent, "student-init-ls", key)
     if done:
