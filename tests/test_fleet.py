@@ -645,10 +645,21 @@ def test_simulate_and_report_write_their_figures(tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "report" / "results.json").read_text())["runs"] == written["runs"]
 
 
-def test_the_h100_profile_is_what_its_derivation_gives():
-    from serve_apps.fleet.paper_profile import derive
+def test_the_h100_profile_is_what_its_derivation_gives_and_is_checked_against_every_paper_figure():
+    from serve_apps.fleet.paper_profile import FIG3, TABLE3, checks, derive, format_checks
 
-    assert derive() == load_profile(PROFILES / "h100-llama-3.1-8b.json")
+    profile = derive()
+    assert profile == load_profile(PROFILES / "h100-llama-3.1-8b.json")
+    rows = checks(profile)
+    # every figure is there: Fig. 3's twelve, Fig. 2's time saving, Table 3's seven
+    assert len(rows) == sum(map(len, FIG3.values())) + 1 + sum(map(len, TABLE3.values()))
+    fitted = [r for r in rows if r["fitted"]]
+    assert [r["figure"].split(", ")[1] for r in fitted] == ["base"] * 4  # fitted to the base's four, the rest held out
+    assert all(abs(r["error"]) < 0.1 for r in fitted)
+    assert all(r["flagged"] == (not r["fitted"] and abs(r["error"]) > 0.15) for r in rows)
+    table = format_checks(rows)
+    assert table.count("(fitted)") == 4
+    assert table.count("(over 15%)") == sum(r["flagged"] for r in rows) > 0
 
 
 def test_a_decode_bandwidth_that_needs_unphysical_prefill_is_said_so(capsys):
@@ -742,3 +753,23 @@ def test_trace_description_on_a_hand_computed_trace():
     # the second request repeats blocks 1 and 2 (1,024 tokens) of the first, sent 30 s before
     assert figures["repeated_prompt_token_share"] == pytest.approx(1024 / 3000)
     assert figures["reuse_gap_median_s"] == 30.0 and figures["blocks_per_request"] == 2
+
+
+def test_a_report_on_the_derived_profile_says_beside_each_target_where_the_profile_misses_the_paper(tmp_path):
+    from swiftkv.cli import main
+
+    report = tmp_path / "report.yaml"
+    report.write_text(
+        "traffic: {synthetic: {duration_s: 60, rate: 2, input_tokens_mean: 2000, output_tokens_mean: 20}}\n"
+        f"profile: {PROFILES / 'h100-llama-3.1-8b.json'}\npaper_checks: true\nvariants: [base, swiftkv-50]\n"
+        "fleets: [{policy: static, router: prefill}, {policy: prefill, router: prefill}]\n"
+        f"main: [base/static/prefill]\nfleet: {{score_from_s: 0}}\nout: {tmp_path / 'report'}\n")
+    assert main(["fleet", "report", "--config", str(report)]) == 0
+    results = json.loads((tmp_path / "report" / "results.json").read_text())
+    flagged = [c for c in results["paper_checks"] if c["flagged"]]
+    assert any(c["variant"] == "swiftkv-50" for c in flagged)
+    # every SwiftKV target carries its variant's misses (and the base's), the report prints the whole check table
+    assert results["targets"] and all("(the profile against the paper: swiftkv-50: Fig. 3, " in t["figures"]
+                                      for t in results["targets"])
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "The profile against the paper's figures" in text and text.count("(fitted)") == 4

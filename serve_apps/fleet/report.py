@@ -64,6 +64,11 @@ class ReportConfig(StrictConfig):
     """``variant/router`` -> a static fleet size to take instead of searching for the smallest; the
     report says so."""
 
+    paper_checks: bool = False
+    """For a profile derived by ``swiftkv fleet derive-h100``: check it against the paper's figures
+    (:func:`serve_apps.fleet.paper_profile.checks`), print the check table, and write beside each
+    target the figures its variant misses by more than 15%."""
+
     reuse_runs: bool = True
     """Keep each run's figures under ``out/runs/`` keyed on its config and the code that computes it
     (:mod:`serve_apps.fleet.run_cache`): an interrupted report resumes, reports over parts of the
@@ -88,10 +93,13 @@ def _rate(profile: Profile, variant: str, tokens: int | None) -> float:
     return figures.prefill_tokens_per_s if tokens is None else ReplicaCosts.from_figures(figures).prefill_rate(tokens)
 
 
-def targets(cfg: ReportConfig, runs: dict[str, dict[str, Any]], profile: Profile) -> list[dict[str, Any]]:
-    """The issue's targets and the ratios reported whatever they are, each with its figures; ``met``
-    is None for a figure that has no target."""
-    out = []
+def targets(cfg: ReportConfig, runs: dict[str, dict[str, Any]], profile: Profile,
+            caveats: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """The issue's targets and the ratios reported whatever they are, each with its figures (and the
+    variant's ``caveats``, the profile's misses against published figures); ``met`` is None for a
+    figure that has no target."""
+    out: list[dict[str, Any]] = []
+    caveats = caveats or {}
     attainment = cfg.slo_attainment_target
 
     def missing(*keys: str) -> str:
@@ -99,6 +107,7 @@ def targets(cfg: ReportConfig, runs: dict[str, dict[str, Any]], profile: Profile
                          for k in keys if not meets(runs[k]["summary"], attainment))
 
     for variant in (v for v in cfg.variants if v != BASE):
+        first = len(out)
         ours = f"{variant}/prefill/prefill"
         for base, bar in ((f"{BASE}/serve-defaults/pow2", (0.5, 2.0)), (f"{BASE}/serve-tuned/pow2", None),
                           (f"{BASE}/prefill/prefill", None)):
@@ -123,6 +132,9 @@ def targets(cfg: ReportConfig, runs: dict[str, dict[str, Any]], profile: Profile
                        f"{a['replica_hours'] / b['replica_hours']:.2f}x the replica-hours (x{a['peak_replicas']} vs "
                        f"x{b['peak_replicas']}); the profile's prefill rates allow {limit:.2f}x")
             out.append({"target": f"SwiftKV alone: {alone} vs {base} (reported)", "figures": figures, "met": None})
+        misses = "; ".join(caveats[v] for v in (variant, BASE) if v in caveats)
+        for target in out[first:] if misses else ():
+            target["figures"] += f" (the profile against the paper: {misses})"
     return out
 
 
@@ -141,7 +153,8 @@ def _fleet_name(policy: str, run: dict[str, Any]) -> str:
             f"{scaling['downscale_delay_s']:g} s)")
 
 
-def format_report(cfg: ReportConfig, runs: dict[str, dict[str, Any]], checks: list[dict[str, Any]]) -> str:
+def format_report(cfg: ReportConfig, runs: dict[str, dict[str, Any]], checks: list[dict[str, Any]],
+                  paper_checks: list[dict[str, Any]] | None = None) -> str:
     slo, attainment = cfg.fleet.slo_ttft_s, cfg.slo_attainment_target
     lines = [f"# Fleet report: TTFT SLO {slo:g} s for {attainment:.0%} of the feasible requests", "",
              "| variant | fleet | router | meets SLO | replica-hours | goodput / replica-hour | "
@@ -173,6 +186,11 @@ def format_report(cfg: ReportConfig, runs: dict[str, dict[str, Any]], checks: li
     lines += ["", "| target | figures | met |", "|---|---|---|"]
     lines += [f"| {c['target']} | {c['figures']} | {'-' if c['met'] is None else 'yes' if c['met'] else '**no**'} |"
               for c in checks]
+    if paper_checks:
+        from serve_apps.fleet.paper_profile import format_checks
+
+        lines += ["", "The profile against the paper's figures (`swiftkv fleet derive-h100`; the four marked "
+                  "fitted, the rest held out):", "", format_checks(paper_checks)]
     return "\n".join(lines) + "\n"
 
 
@@ -183,10 +201,15 @@ def run_report(cfg: ReportConfig, profile: Profile) -> dict[str, Any]:
     grid = Grid(cfg.fleet, trace, cfg.traffic.model_dump(mode="json"), profile, cfg.slo_attainment_target,
                 cfg.tuning, RunCache(f"{cfg.out}/runs") if cfg.reuse_runs else None)
     runs = all_runs(cfg, grid)
-    checks = targets(cfg, runs, profile)
+    paper = None
+    if cfg.paper_checks:
+        from serve_apps.fleet.paper_profile import caveats, checks
+
+        paper = checks(profile)
+    goals = targets(cfg, runs, profile, caveats(paper) if paper else None)
     results = {"config": cfg.model_dump(mode="json"), "requests": len(trace.requests),
-               "duration_s": trace.duration_s, "runs": runs, "targets": checks}
-    report = format_report(cfg, runs, checks)
+               "duration_s": trace.duration_s, "runs": runs, "targets": goals, "paper_checks": paper}
+    report = format_report(cfg, runs, goals, paper)
     write_files(cfg.out, {"results.json": json.dumps(results, indent=1, default=str).encode(),
                           "report.md": report.encode(),
                           "timeline.png": timeline_png({k: runs[k]["timeline"] for k in cfg.main if k in runs},
