@@ -643,6 +643,9 @@ def test_simulate_and_report_write_their_figures(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("serve_apps.fleet.grid.simulate", lambda *args, **kwargs: pytest.fail("simulated again"))
     assert main(["fleet", "report", "--config", str(report)]) == 0
     assert json.loads((tmp_path / "report" / "results.json").read_text())["runs"] == written["runs"]
+    # the paper's checks need the paper's variants: refused before any run, naming the missing one
+    assert main(["fleet", "report", "--config", str(report), "--set", "paper_checks=true"]) == 2
+    assert "the profile has no model 'swiftkv-50'" in capsys.readouterr().err
 
 
 def test_the_h100_profile_is_what_its_derivation_gives_and_is_checked_against_every_paper_figure():

@@ -58,7 +58,7 @@ def add_parser(subparsers) -> None:
                                 description="Write the Llama-3.1-8B on one H100 profile derived (not measured) "
                                 "from the SwiftKV paper's figures (serve_apps/fleet/paper_profile.py) and print "
                                 "every paper figure beside what it gives for it: the four it was fitted to and "
-                                "the rest, each with its error (past 15%% flagged). Takes about a minute.")
+                                "the rest, each with its error (past 15% flagged). Takes about 20 s.")
     derive.add_argument("--out", default="serve_apps/fleet/profiles/h100-llama-3.1-8b.json", help="profile to write")
     derive.add_argument("--hbm-efficiency", type=float, default=0.8,
                         help="share of the H100's 3.35 TB/s a decode step reads at (an assumption; default 0.8)")

@@ -200,12 +200,12 @@ def run_report(cfg: ReportConfig, profile: Profile) -> dict[str, Any]:
         profile.figures(variant)  # a missing variant fails before any run
     grid = Grid(cfg.fleet, trace, cfg.traffic.model_dump(mode="json"), profile, cfg.slo_attainment_target,
                 cfg.tuning, RunCache(f"{cfg.out}/runs") if cfg.reuse_runs else None)
-    runs = all_runs(cfg, grid)
     paper = None
-    if cfg.paper_checks:
+    if cfg.paper_checks:  # before the runs: a profile without the paper's variants fails in seconds, not hours
         from serve_apps.fleet.paper_profile import caveats, checks
 
         paper = checks(profile)
+    runs = all_runs(cfg, grid)
     goals = targets(cfg, runs, profile, caveats(paper) if paper else None)
     results = {"config": cfg.model_dump(mode="json"), "requests": len(trace.requests),
                "duration_s": trace.duration_s, "runs": runs, "targets": goals, "paper_checks": paper}
