@@ -54,6 +54,7 @@ def autoscaling_config(options: ModelOptions) -> dict[str, Any]:
                 "kv_cache_high": scaling.kv_cache_high,
                 "kv_cache_low": scaling.kv_cache_low,
                 "max_ongoing_requests": options.max_ongoing_requests,
+                "replica_startup_s": scaling.replica_startup_s,
             },
         }
     return config

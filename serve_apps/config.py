@@ -58,6 +58,11 @@ class AutoscalingOptions(StrictConfig):
     kv_cache_low: float = Field(default=0.6, gt=0, le=1)
     """``prefill``: scale down only if the projected KV-cache usage stays at or below this."""
 
+    replica_startup_s: float = Field(default=0.0, ge=0)
+    """``prefill``: seconds a new replica takes to serve (``swiftkv serve`` logs its engine's load
+    time); the backlog the running replicas clear within it asks for no new replica. 0: every
+    backlog over ``ttft_budget_s`` asks for replicas, as if they started at once."""
+
     downscaling_factor: float = Field(default=0.5, gt=0, le=1)
     """``prefill``: Serve's ``downscaling_factor``: a scale-down goes this share of the way to the
     policy's count (one replica at least). Requests admitted in a burst hold little KV at first and

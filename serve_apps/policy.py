@@ -21,6 +21,11 @@ scale down again). No request at all over the look-back window asks for zero rep
 bounds by ``min_replicas`` (Serve's own cold start brings the first replica back when a request
 arrives).
 
+A replica asked for now serves only after its start-up time ``S`` (``replica_startup_s``): the
+backlog that the running replicas clear before then, ``(N mu - lam) S``, is no reason to start one
+(after a cold start the first replicas to come up find the queue of the whole start-up, clear it
+in seconds, and replicas started for it would arrive a minute and a half later to no backlog).
+
 The KV cache guard reads vLLM's preemptions as well as the mean usage: on long replies one replica
 fills and preempts (recomputing the preempted request's prompt later) while the mean still reads
 well under ``kv_cache_high``, and a preempted request's freed blocks make the usage read lower still.
@@ -74,6 +79,11 @@ class PrefillPolicyConfig(BaseModel):
     max_ongoing_requests: int = Field(default=64, gt=0)
     """Requests one replica takes at once (the deployment's own setting): its seats, filled to
     ``target_utilization`` at most before scaling up."""
+
+    replica_startup_s: float = Field(default=0.0, ge=0)
+    """Seconds from asking for a replica to its serving (``swiftkv serve`` logs its engine's load
+    time): the backlog the running replicas clear within it asks for no new replica. 0: every backlog
+    over the budget asks for replicas, as if they served at once."""
 
     @model_validator(mode="after")
     def _bands(self) -> PrefillPolicyConfig:
@@ -131,7 +141,9 @@ def _by_load(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, r
     figures = {"demand_tokens_per_s": demand, "backlog_tokens": backlog, "kv_cache_usage": kv}
 
     keep_up = _replicas_for(demand, cfg.target_utilization * mu)
-    clear_backlog = _replicas_for(demand + backlog / budget, mu)
+    # What the running replicas clear before a new one could serve is not a reason to start one.
+    backlog_left = max(0.0, backlog - max(0.0, current * mu - demand) * cfg.replica_startup_s)
+    clear_backlog = _replicas_for(demand + backlog_left / budget, mu)
     seats = _seats_for(requests, cfg.target_utilization * cfg.max_ongoing_requests)
     wanted = max(keep_up, clear_backlog, seats)
     # KV: the mean usage lags (a preempted request's blocks are freed, and one replica fills while

@@ -175,7 +175,7 @@ def test_config_errors_name_the_problem(tree, message):
 def test_builder_maps_the_config_onto_serve_options():
     config = parse_config(AppConfig, {"models": [
         {"name": "org/base", "model": "bundled", "prefill_tokens_per_s": 1500,
-         "autoscaling": {"max_replicas": 3, "ttft_budget_s": 1.5}},
+         "autoscaling": {"max_replicas": 3, "ttft_budget_s": 1.5, "replica_startup_s": 75}},
         {"name": "requests", "model": "bundled", "autoscaling": {"policy": "requests", "target_ongoing_requests": 4},
          "routing": {"router": "pow2"}},
     ]})
@@ -184,6 +184,7 @@ def test_builder_maps_the_config_onto_serve_options():
     scaling = autoscaling_config(prefill)
     assert scaling["policy"]["policy_function"] == "serve_apps.policy:PrefillAutoscalingPolicy"
     assert scaling["policy"]["policy_kwargs"]["prefill_tokens_per_s"] == 1500
+    assert scaling["policy"]["policy_kwargs"]["replica_startup_s"] == 75
     assert scaling["max_replicas"] == 3 and scaling["metrics_interval_s"] == 1.0
     assert (scaling["downscale_delay_s"], scaling["downscaling_factor"]) == (60.0, 0.5)
     assert "policy" not in autoscaling_config(requests) and autoscaling_config(requests)["target_ongoing_requests"] == 4

@@ -44,6 +44,20 @@ def test_backlog_over_the_ttft_budget_scales_up():
     assert decision.backlog_tokens == 6000
 
 
+def test_backlog_the_running_replicas_clear_before_a_start_asks_for_no_replica():
+    # Four replicas at 2000 tok/s of arrivals clear 2000 tok/s more: in a 60 s start-up, 120,000
+    # tokens. A backlog of 100,000 is gone before a replica started now could serve.
+    loads = [load(rate=500, waiting=25_000)] * 4
+    started_at_once = decide(loads, 4, CFG)
+    assert started_at_once.replicas == 52 and "backlog" in started_at_once.reason  # (2000 + 100000 / 2) / 1000
+    slow_start = CFG.model_copy(update={"replica_startup_s": 60.0})
+    assert decide(loads, 4, slow_start).replicas == 4
+    # What is left after the start-up still asks: 400,000 waiting, 120,000 cleared, 280,000 in 2 s.
+    assert decide([load(rate=500, waiting=100_000)] * 4, 4, slow_start).replicas == 142
+    # A fleet short of the arrivals clears nothing meanwhile: the whole backlog counts.
+    assert decide([load(rate=1500, waiting=2_000)] * 2, 2, slow_start).replicas == 5  # (3000 + 2000) / 1000
+
+
 def test_prefix_cache_hits_do_not_count_as_work():
     # The same arrivals, nine tenths served from the prefix cache: one replica keeps up.
     assert decide([load(rate=3000, waiting=6000, uncached=0.1)], 1, CFG).replicas == 1
