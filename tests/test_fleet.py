@@ -4,6 +4,9 @@ profiles, traces and configs, and bad input."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -240,6 +243,22 @@ def test_serves_power_of_two_router_is_the_baseline(monkeypatch):
     monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", first_only)
     monkeypatch.setattr(serve_apps.router.PrefillRouterCore, "rank", lambda *a: pytest.fail("ours must not run"))
     assert set(_placement(_two_replicas("pow2", requests))) == {0}
+
+
+def test_a_power_of_two_run_places_every_request_alike_in_every_process():
+    # Serve's router draws its two candidates by position in a set of replica ids: with the string
+    # hash (seeded per process) one config and seed gave other placements, and other report figures,
+    # in each process.
+    script = (
+        "import json, sys; sys.path.insert(0, 'tests'); from test_fleet import TraceRequest, blocks, run, _placement\n"
+        "requests = [TraceRequest(0.01 * i, 500, 20, blocks(10 * i, 5)) for i in range(60)]\n"
+        "print(json.dumps(_placement(run(requests, {'static_replicas': 5, 'routing': {'router': 'pow2'}}))))")
+    root = Path(__file__).resolve().parents[1]
+    placements = [subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True,
+                                 env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip().splitlines()[-1]
+                  for seed in (1, 2, 3)]
+    assert len(set(json.loads(placements[0]))) == 5  # spread over every replica
+    assert placements[1:] == placements[:1] * 2
 
 
 def test_max_ongoing_requests_holds_requests_at_the_router():

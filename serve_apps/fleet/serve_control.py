@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -54,6 +55,18 @@ def serve_autoscaling_defaults() -> dict[str, float]:
     return {name: float(fields[name].default) for name in SERVE_DEFAULT_OPTIONS}
 
 
+@dataclass(frozen=True)
+class SimReplicaID(ReplicaID):
+    """A replica's id hashed by its number: Serve's power-of-two router draws its two candidates by
+    position in a set of ids, and with the string hash (seeded per process) the same config and
+    seed would give other choices, and other figures, in every process."""
+
+    number: int = 0
+
+    def __hash__(self) -> int:
+        return self.number
+
+
 class SimReplicaHandle:
     """What Serve's routers read of a ``RunningReplica``, for a simulated replica."""
 
@@ -62,7 +75,7 @@ class SimReplicaHandle:
 
     def __init__(self, replica: Replica, max_ongoing_requests: int) -> None:
         self.replica = replica
-        self.replica_id = ReplicaID(f"replica-{replica.number}", DEPLOYMENT)
+        self.replica_id = SimReplicaID(f"replica-{replica.number}", DEPLOYMENT, replica.number)
         self.max_ongoing_requests = max_ongoing_requests
         self.multiplexed_model_ids: set[str] = set()
         self.routing_stats: dict[str, float] = {}
