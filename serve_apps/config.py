@@ -59,8 +59,8 @@ class AutoscalingOptions(StrictConfig):
     """``prefill``: scale down only if the projected KV-cache usage stays at or below this."""
 
     replica_startup_s: float = Field(default=0.0, ge=0)
-    """``prefill``: seconds a new replica takes to serve (``swiftkv serve`` logs its engine's load
-    time); the backlog the running replicas clear within it asks for no new replica. 0: every
+    """``prefill``: seconds a new replica takes to serve (``swiftkv fleet validate`` measures it, asked
+    for to serving); the backlog the running replicas clear within it asks for no new replica. 0: every
     backlog over ``ttft_budget_s`` asks for replicas, as if they started at once."""
 
     downscaling_factor: float = Field(default=0.5, gt=0, le=1)

@@ -81,8 +81,8 @@ class PrefillPolicyConfig(BaseModel):
     ``target_utilization`` at most before scaling up."""
 
     replica_startup_s: float = Field(default=0.0, ge=0)
-    """Seconds from asking for a replica to its serving (``swiftkv serve`` logs its engine's load
-    time): the backlog the running replicas clear within it asks for no new replica. 0: every backlog
+    """Seconds from asking for a replica to its serving (``swiftkv fleet validate`` measures it): the
+    backlog the running replicas clear within it asks for no new replica. 0: every backlog
     over the budget asks for replicas, as if they served at once."""
 
     @model_validator(mode="after")
