@@ -3,11 +3,14 @@ profiles, traces and configs, and bad input."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -259,6 +262,27 @@ def test_a_power_of_two_run_places_every_request_alike_in_every_process():
                   for seed in (1, 2, 3)]
     assert len(set(json.loads(placements[0]))) == 5  # spread over every replica
     assert placements[1:] == placements[:1] * 2
+
+
+def test_serves_queue_length_probes_answer_in_the_candidates_order():
+    # Serve collects the answers from asyncio's ``done`` set (task-address order) and keeps the first
+    # of two equally loaded candidates: unordered, a power-of-two run placed requests differently
+    # from one run to the next.
+    from serve_apps.config import ModelOptions
+    from serve_apps.fleet.serve_control import Router, SimReplicaHandle
+
+    async def probe_in_shuffled_orders():
+        options = ModelOptions(name="fleet", model="m", prefill_tokens_per_s=1000.0, routing={"router": "pow2"})
+        router = Router(options, clock=lambda: 0.0)
+        handles = [SimReplicaHandle(SimpleNamespace(number=n, ongoing=n % 2), 4) for n in range(8)]
+        router.update_replicas(handles)
+        orders = [random.Random(seed).sample(handles, len(handles)) for seed in range(5)]
+        answers = [await router.router._probe_queue_lens(order, 0) for order in orders]
+        return orders, answers
+
+    orders, answers = asyncio.run(probe_in_shuffled_orders())
+    assert [[handle for handle, _ in answer] for answer in answers] == orders
+    assert all(length == handle.replica.ongoing for answer in answers for handle, length in answer)
 
 
 def test_max_ongoing_requests_holds_requests_at_the_router():

@@ -13,7 +13,8 @@ deployment of ours gets, built from the same typed options and by Serve's own fu
   simulated one), and each request goes through what Serve's routing loop calls: ``choose_replicas``,
   then ``_select_from_candidate_replicas`` on each rank (the replica with the fewest ongoing requests
   among those under ``max_ongoing_requests``), ``on_send_request`` and ``on_request_routed``; on
-  completion, ``decrement_queue_len_cache`` and ``on_request_completed``.
+  completion, ``decrement_queue_len_cache`` and ``on_request_completed``. One change to Serve's
+  code: its queue-length probe answers in the candidates' order (``_in_candidate_order``).
 
 Serve pickles the policy and the router class by value to ship them to its controller and handles;
 in one process the simulator imports them by their path instead (the same code, and no by-value copy
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +142,23 @@ class Autoscaler:
         return decided
 
 
+ProbeQueueLens = Callable[[list[SimReplicaHandle], int], Awaitable[list[tuple[SimReplicaHandle, int | None]]]]
+
+
+def _in_candidate_order(probe: ProbeQueueLens) -> ProbeQueueLens:
+    """Serve's ``_probe_queue_lens`` with its answers in the candidates' order, as its docstring
+    says they come: it collects them from the ``done`` set of ``asyncio.wait``, ordered by the tasks'
+    memory addresses, and its caller keeps the first of two equally loaded candidates, so a
+    power-of-two run placed requests differently from one run to the next."""
+
+    async def in_order(replicas: list[SimReplicaHandle], backoff_index: int):
+        position = {r.replica_id: i for i, r in enumerate(replicas)}
+        answers = await probe(replicas, backoff_index)
+        return sorted(answers, key=lambda answer: position[answer[0].replica_id])
+
+    return in_order
+
+
 class Router:
     """The deployment's request router, as a Serve handle drives it."""
 
@@ -152,6 +170,7 @@ class Router:
             use_replica_queue_len_cache=True, get_curr_time_s=clock,
         )
         self.router.initialize_state(**config.request_router_kwargs)
+        self.router._probe_queue_lens = _in_candidate_order(self.router._probe_queue_lens)
         self.clock = clock
 
     def update_replicas(self, handles: list[SimReplicaHandle]) -> None:
