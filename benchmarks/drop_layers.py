@@ -4,10 +4,9 @@ on the same data, steps and learning rate as SwiftKV's recipe.
 
 The healed weights are the last kept layers, all of them (attention, MLP, norms) and the final norm:
 as many whole layers as it takes to train at least as many weights as SwiftKV trains at that cutoff,
-so the baseline never has the smaller budget. The loss is the recipe's KL (temperature, selected
-positions: ``swiftkv.distill.loss.chunked_kl_sum``); the rows come from the recipe's own Ray Data
-pipeline, read in order on the driver. One process, the recipe's learning-rate schedule, no DeepSpeed
-(a 135M model needs none). The result is a plain checkpoint of the base's family with ``c`` layers.
+so the baseline never has the smaller budget. They train as ``benchmarks.one_process_distill`` does
+(the recipe's rows, KL and schedule, one process). The result is a plain checkpoint of the base's
+family with ``c`` layers.
 
     python -m benchmarks.drop_layers --recipe ray_jobs/configs/smollm2-135m-cpu.yaml --cutoff 15 --out DIR
 """
@@ -18,15 +17,14 @@ import argparse
 import json
 import math
 import time
-from itertools import islice
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.one_process_distill import distill_in_one_process
 from swiftkv.analysis.flops import swiftkv_param_count
 from swiftkv.distill.config import DistillConfig, load_config
-from swiftkv.distill.loss import chunked_kl_sum
 from swiftkv.model_source import resolve_model
 
 
@@ -53,11 +51,6 @@ def healed_layers(base, cutoff: int) -> int:
 def train_drop_baseline(recipe: DistillConfig, cutoff: int, out: Path) -> dict:
     """Heal the base of ``recipe`` shortened to ``cutoff`` layers; writes ``out/model`` and
     ``out/figures.json`` (returned)."""
-    import ray
-
-    from ray_jobs.distill import rows_per_step
-    from swiftkv.distill.data import build_datasets
-
     path = resolve_model(recipe.model)
     teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
     student = shortened(teacher, cutoff).train()
@@ -67,36 +60,8 @@ def train_drop_baseline(recipe: DistillConfig, cutoff: int, out: Path) -> dict:
     trainable += list(student.model.norm.parameters())
     for p in trainable:
         p.requires_grad_(True)
-    steps, per_step, train = recipe.train.max_steps, rows_per_step(recipe), recipe.train
-    if steps is None:
-        raise ValueError("the drop-layers baseline trains for the recipe's train.max_steps: set it")
-    optimizer = torch.optim.AdamW(trainable, lr=train.lr, weight_decay=train.weight_decay)
-    schedule = get_cosine_schedule_with_warmup(optimizer, math.ceil(train.warmup_ratio * steps), steps)
-    if not ray.is_initialized():
-        ray.init()
-    rows, _ = build_datasets(recipe.data, tokenizer_path=path)
-    batches = rows.limit(steps * per_step).iter_torch_batches(batch_size=per_step, dtypes=torch.long)
-    head = teacher.get_output_embeddings().weight
-    curve, started = [], time.perf_counter()
-    torch.manual_seed(train.seed)
-    for step, batch in enumerate(islice(batches, steps), start=1):
-        selected = batch["loss_mask"].bool()
-        with torch.no_grad():
-            target = teacher.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                   use_cache=False).last_hidden_state
-        hidden = student.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                               use_cache=False).last_hidden_state
-        width = hidden.shape[-1]
-        kl = chunked_kl_sum(head, hidden.reshape(-1, width), target.reshape(-1, width), selected.reshape(-1),
-                            train.temperature, train.loss_chunk_tokens)
-        loss = kl * train.temperature**2 / max(int(selected.sum()), 1)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        curve.append({"step": step, "kl": float(kl) / max(int(selected.sum()), 1)})
-        print(f"[drop c={cutoff}] step {step}/{steps} kl {curve[-1]['kl']:.4f} "
-              f"({time.perf_counter() - started:.0f} s)", flush=True)
+    started = time.perf_counter()
+    curve = distill_in_one_process(recipe, teacher, student, [{"params": trainable}], f"drop c={cutoff}")
     out.mkdir(parents=True, exist_ok=True)
     student.eval().save_pretrained(out / "model")
     AutoTokenizer.from_pretrained(path).save_pretrained(out / "model")

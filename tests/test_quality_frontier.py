@@ -11,7 +11,9 @@ import torch
 from benchmarks import frontier_table
 from benchmarks.drop_layers import healed_layers, shortened
 from benchmarks.quality_frontier import TOKEN_SHIFT, format_frontier, frontier_rows, plot_frontier
+from benchmarks.train_below_cutoff import KVMatch
 from swiftkv.analysis.flops import swiftkv_param_count
+from swiftkv.convert import convert_model
 from tests.test_quality_gate import _cell
 from tests.tiny import save_tiny_base
 
@@ -30,6 +32,19 @@ def test_the_shortened_model_is_the_bases_first_layers(tmp_path):
     heal = healed_layers(base, 3)
     per_layer = sum(p.numel() for p in base.model.layers[0].parameters())
     assert heal * per_layer >= swiftkv_param_count(base.config, 3, 1)[0] > (heal - 1) * per_layer
+
+
+def test_the_kv_match_is_zero_where_the_student_computes_the_teachers_kv(tmp_path):
+    # At the cutoff layer itself the copy start's SwiftKV K/V are the teacher's (same input, norm and
+    # projections): no error there; a later layer's come from an earlier state and differ.
+    base = save_tiny_base(tmp_path, "llama", num_hidden_layers=6).eval()
+    student = convert_model(save_tiny_base(tmp_path / "again", "llama", num_hidden_layers=6), 3, 1).eval()
+    ids = torch.randint(3, 200, (1, 12))
+    at_cutoff, later = KVMatch(base, student, [3]), KVMatch(base, student, [5])
+    with torch.no_grad():
+        base(ids)
+        student(ids)
+    assert float(at_cutoff()) < 1e-10 < 1e-3 < float(later())
 
 
 def _rows(c: int = 15, base_sciq: float = 0.8, shift: dict | None = None) -> list[dict]:
