@@ -2,8 +2,9 @@
 
 At c = 15 the keys of layers 17-18 read the token before (written by a previous-token head in layer
 16, docs/distillation.md), which one token's cutoff state does not carry. Plain SwiftKV, as vLLM serves
-it, could still get there if a layer below the cutoff carried it: this trains the q/k/v projections
-of ``--layers`` (below the cutoff) beside the SwiftKV weights, from the recipe's least-squares start,
+it, could still get there if a layer below the cutoff carried it: this trains the attention
+projections of ``--layers`` (below the cutoff; q/k/v unless ``--projections`` says otherwise) beside
+the SwiftKV weights, from the recipe's least-squares start,
 against a separate frozen teacher; optionally with a loss that matches chosen SwiftKV layers' K/V
 (before rotary) to the teacher's own, each normalised by the teacher's variance, for a direct signal
 to those lower layers. The result is a SwiftKV checkpoint (its lower layers' own weights changed):
@@ -12,6 +13,7 @@ score it with ``ray_jobs.evaluate``.
     python -m benchmarks.train_below_cutoff --cutoff 15 --layers 13 14 --out DIR
     python -m benchmarks.train_below_cutoff --cutoff 15 --out DIR      # the control: SwiftKV weights only
     python -m benchmarks.train_below_cutoff --cutoff 15 --layers 12 13 14 --match 17 18 20 --out DIR
+    python -m benchmarks.train_below_cutoff --cutoff 15 --layers 13 14 --projections q k v o --out DIR
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from swiftkv.distill.config import DistillConfig, load_config
 from swiftkv.distill.model_io import least_squares_once
 from swiftkv.model_source import resolve_model
 
-QKV = ("q_proj", "k_proj", "v_proj")
+PROJECTIONS = ("q", "k", "v", "o")
 
 
 class KVMatch:
@@ -53,8 +55,15 @@ class KVMatch:
         return torch.stack(errors).mean()
 
 
+def below_cutoff_parameters(model, layers: list[int], projections: tuple[str, ...]) -> list[torch.nn.Parameter]:
+    """The weights (and biases, where the family has them) of ``projections`` (``q``, ``k``, ``v``,
+    ``o``) in the attention of each of ``layers``."""
+    return [p for j in layers for kind in projections
+            for p in getattr(model.model.layers[j].self_attn, f"{kind}_proj").parameters()]
+
+
 def train_below_cutoff(recipe: DistillConfig, layers: list[int], match: list[int], match_weight: float,
-                       out: Path) -> dict:
+                       out: Path, projections: tuple[str, ...] = ("q", "k", "v")) -> dict:
     """Writes ``out/model`` and ``out/figures.json`` (returned)."""
     import ray
 
@@ -75,8 +84,7 @@ def train_below_cutoff(recipe: DistillConfig, layers: list[int], match: list[int
     student = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).train().swiftkv(True)
     student.requires_grad_(False)
     swiftkv = [p for _, p in student.swiftkv_parameters()]
-    below = [p for j in layers for name, p in student.model.layers[j].self_attn.named_parameters()
-             if name.split(".")[0] in QKV]
+    below = below_cutoff_parameters(student, layers, projections)
     for p in swiftkv + below:
         p.requires_grad_(True)
     kv_match = KVMatch(teacher, student, match) if match else None
@@ -88,7 +96,8 @@ def train_below_cutoff(recipe: DistillConfig, layers: list[int], match: list[int
     out.mkdir(parents=True, exist_ok=True)
     student.eval().save_pretrained(out / "model")
     AutoTokenizer.from_pretrained(path).save_pretrained(out / "model")
-    figures = {"cutoff": c, "layers_below": layers, "match": match, "match_weight": match_weight,
+    figures = {"cutoff": c, "layers_below": layers, "projections": list(projections), "match": match,
+               "match_weight": match_weight,
                "trainable_below": sum(p.numel() for p in below), "trainable_swiftkv": sum(p.numel() for p in swiftkv),
                "steps": len(curve), "seconds": round(time.perf_counter() - started, 1), "curve": curve}
     (out / "figures.json").write_text(json.dumps(figures, indent=1))
@@ -102,13 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cutoff", type=int, required=True, help="SwiftKV's num_key_value_layers")
     parser.add_argument("--layers", type=int, nargs="*", default=[],
                         help="layers below the cutoff to train (none: the plain recipe, the control)")
+    parser.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=["q", "k", "v"],
+                        help="which attention projections of --layers to train")
     parser.add_argument("--match", type=int, nargs="*", default=[], help="SwiftKV layers whose K/V to match")
     parser.add_argument("--match-weight", type=float, default=1.0, help="weight of the K/V match beside the KL")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     recipe = load_config(args.recipe, [*args.set, f"num_key_value_layers={args.cutoff}",
                                        f"output.storage_path={args.out}"])
-    figures = train_below_cutoff(recipe, args.layers, args.match, args.match_weight, args.out)
+    figures = train_below_cutoff(recipe, args.layers, args.match, args.match_weight, args.out,
+                                 tuple(args.projections))
     print(json.dumps({k: v for k, v in figures.items() if k != "curve"}))
     return 0
 

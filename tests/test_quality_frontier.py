@@ -11,7 +11,7 @@ import torch
 from benchmarks import frontier_table
 from benchmarks.drop_layers import healed_layers, shortened
 from benchmarks.quality_frontier import TOKEN_SHIFT, format_frontier, frontier_rows, plot_frontier
-from benchmarks.train_below_cutoff import KVMatch
+from benchmarks.train_below_cutoff import KVMatch, below_cutoff_parameters
 from swiftkv.analysis.flops import swiftkv_param_count
 from swiftkv.convert import convert_model
 from tests.test_quality_gate import _cell
@@ -45,6 +45,16 @@ def test_the_kv_match_is_zero_where_the_student_computes_the_teachers_kv(tmp_pat
         base(ids)
         student(ids)
     assert float(at_cutoff()) < 1e-10 < 1e-3 < float(later())
+
+
+def test_below_the_cutoff_trains_the_named_projections_with_their_biases(tmp_path):
+    student = convert_model(save_tiny_base(tmp_path, "qwen2", num_hidden_layers=6), 3, 1)
+    attention = student.model.layers[1].self_attn
+    qkv = below_cutoff_parameters(student, [1], ("q", "k", "v"))
+    assert [p.shape for p in qkv] == [p.shape for m in (attention.q_proj, attention.k_proj, attention.v_proj)
+                                      for p in (m.weight, m.bias)]  # Qwen2's q/k/v carry biases
+    with_o = below_cutoff_parameters(student, [0, 2], ("q", "k", "v", "o"))
+    assert len(with_o) == 2 * 7 and any(p is student.model.layers[2].self_attn.o_proj.weight for p in with_o)
 
 
 def _rows(c: int = 15, base_sciq: float = 0.8, shift: dict | None = None) -> list[dict]:
