@@ -14,6 +14,7 @@ score it with ``ray_jobs.evaluate``.
     python -m benchmarks.train_below_cutoff --cutoff 15 --out DIR      # the control: SwiftKV weights only
     python -m benchmarks.train_below_cutoff --cutoff 15 --layers 12 13 14 --match 17 18 20 --out DIR
     python -m benchmarks.train_below_cutoff --cutoff 15 --layers 13 14 --projections q k v o --out DIR
+    python -m benchmarks.train_below_cutoff --cutoff 15 --layers 13 14 --below-lr 1e-2 --out DIR
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ def below_cutoff_parameters(model, layers: list[int], projections: tuple[str, ..
             for p in getattr(model.model.layers[j].self_attn, f"{kind}_proj").parameters()]
 
 
-def train_below_cutoff(recipe: DistillConfig, layers: list[int], match: list[int], match_weight: float,
-                       out: Path, projections: tuple[str, ...] = ("q", "k", "v")) -> dict:
-    """Writes ``out/model`` and ``out/figures.json`` (returned)."""
+def train_below_cutoff(recipe: DistillConfig, layers: list[int], match: list[int], match_weight: float, out: Path,
+                       projections: tuple[str, ...] = ("q", "k", "v"), below_lr: float | None = None) -> dict:
+    """Writes ``out/model`` and ``out/figures.json`` (returned). ``below_lr``: the peak learning rate of
+    the layers below the cutoff (default: the recipe's)."""
     import ray
 
     from swiftkv.distill.data import build_datasets
@@ -88,16 +90,18 @@ def train_below_cutoff(recipe: DistillConfig, layers: list[int], match: list[int
     for p in swiftkv + below:
         p.requires_grad_(True)
     kv_match = KVMatch(teacher, student, match) if match else None
+    below_lr = below_lr or recipe.train.lr
     started = time.perf_counter()
     curve = distill_in_one_process(
-        recipe, teacher, student, [{"params": swiftkv}, {"params": below}] if below else [{"params": swiftkv}],
+        recipe, teacher, student,
+        [{"params": swiftkv}, {"params": below, "lr": below_lr}] if below else [{"params": swiftkv}],
         f"c={c}, below {layers}",
         extra_loss=(lambda: match_weight * kv_match()) if kv_match else None)
     out.mkdir(parents=True, exist_ok=True)
     student.eval().save_pretrained(out / "model")
     AutoTokenizer.from_pretrained(path).save_pretrained(out / "model")
-    figures = {"cutoff": c, "layers_below": layers, "projections": list(projections), "match": match,
-               "match_weight": match_weight,
+    figures = {"cutoff": c, "layers_below": layers, "projections": list(projections),
+               "below_lr": below_lr, "match": match, "match_weight": match_weight,
                "trainable_below": sum(p.numel() for p in below), "trainable_swiftkv": sum(p.numel() for p in swiftkv),
                "steps": len(curve), "seconds": round(time.perf_counter() - started, 1), "curve": curve}
     (out / "figures.json").write_text(json.dumps(figures, indent=1))
@@ -113,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="layers below the cutoff to train (none: the plain recipe, the control)")
     parser.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=["q", "k", "v"],
                         help="which attention projections of --layers to train")
+    parser.add_argument("--below-lr", type=float, help="their peak learning rate (default: the recipe's)")
     parser.add_argument("--match", type=int, nargs="*", default=[], help="SwiftKV layers whose K/V to match")
     parser.add_argument("--match-weight", type=float, default=1.0, help="weight of the K/V match beside the KL")
     parser.add_argument("--out", type=Path, required=True)
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_config(args.recipe, [*args.set, f"num_key_value_layers={args.cutoff}",
                                        f"output.storage_path={args.out}"])
     figures = train_below_cutoff(recipe, args.layers, args.match, args.match_weight, args.out,
-                                 tuple(args.projections))
+                                 tuple(args.projections), args.below_lr)
     print(json.dumps({k: v for k, v in figures.items() if k != "curve"}))
     return 0
 
