@@ -90,7 +90,7 @@ def train_below_cutoff(recipe: DistillConfig, layers: list[int], match: list[int
     for p in swiftkv + below:
         p.requires_grad_(True)
     kv_match = KVMatch(teacher, student, match) if match else None
-    below_lr = below_lr or recipe.train.lr
+    below_lr = recipe.train.lr if below_lr is None else below_lr
     started = time.perf_counter()
     curve = distill_in_one_process(
         recipe, teacher, student,

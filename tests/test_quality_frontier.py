@@ -51,8 +51,8 @@ def test_below_the_cutoff_trains_the_named_projections_with_their_biases(tmp_pat
     student = convert_model(save_tiny_base(tmp_path, "qwen2", num_hidden_layers=6), 3, 1)
     attention = student.model.layers[1].self_attn
     qkv = below_cutoff_parameters(student, [1], ("q", "k", "v"))
-    assert [p.shape for p in qkv] == [p.shape for m in (attention.q_proj, attention.k_proj, attention.v_proj)
-                                      for p in (m.weight, m.bias)]  # Qwen2's q/k/v carry biases
+    want = [p for m in (attention.q_proj, attention.k_proj, attention.v_proj) for p in (m.weight, m.bias)]
+    assert all(a is b for a, b in zip(qkv, want, strict=True))  # Qwen2's q/k/v carry biases
     with_o = below_cutoff_parameters(student, [0, 2], ("q", "k", "v", "o"))
     assert len(with_o) == 2 * 7 and any(p is student.model.layers[2].self_attn.o_proj.weight for p in with_o)
 
