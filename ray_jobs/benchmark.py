@@ -23,11 +23,12 @@ from swiftkv.yaml_config import job_main
 def run(cfg: ServingBenchConfig) -> dict:
     import ray
 
+    from swiftkv.ray_workers import remote_in_own_workers
+
     if not ray.is_initialized():
         ray.init()
-    task = ray.remote(run_benchmark).options(
-        num_cpus=cfg.cpus, num_gpus=cfg.tensor_parallel_size if cfg.use_gpu else 0, max_retries=0
-    )
+    task = remote_in_own_workers(run_benchmark, "benchmark", num_cpus=cfg.cpus,
+                                 num_gpus=cfg.tensor_parallel_size if cfg.use_gpu else 0, max_retries=0)
     result = ray.get(task.remote(cfg))
     report = format_report(result)
     write_files(cfg.out, {"results.json": json.dumps(result, indent=2).encode(),

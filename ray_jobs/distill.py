@@ -37,6 +37,7 @@ from swiftkv.distill.model_io import (
 )
 from swiftkv.distill.train_loop import MODEL_DIR, train_loop_per_worker
 from swiftkv.model_source import resolve_model
+from swiftkv.ray_workers import remote_in_own_workers
 from swiftkv.yaml_config import job_main
 
 logger = logging.getLogger("ray_jobs.distill")
@@ -91,14 +92,16 @@ def starting_point(cfg: DistillConfig, model_path: str, train_ds: ray.data.Datas
         rows = train_ds.limit(cfg.init.calibration_rows).take_all()
         dtype = torch.bfloat16 if cfg.scaling.use_gpu else torch.float32
         # The fit runs the whole teacher once: it needs the model's memory, not only the conversion's.
-        task = ray.remote(num_cpus=1, num_gpus=int(cfg.scaling.use_gpu))(least_squares_once)
+        task = remote_in_own_workers(least_squares_once, "start", max_calls=1, num_cpus=1,
+                                     num_gpus=int(cfg.scaling.use_gpu))
         start = ray.get(task.remote(*args, rows, dtype, shift))
     else:
         logger.info("ZeRO-3: converting %s once under %s for the workers to load partitioned", cfg.model, parent)
         # The conversion reads only the tensors SwiftKV initialises from and copies the shards as files
         # (swiftkv.checkpoint_files): ask Ray for the memory that takes, so it lands on a node that has it.
         memory = conversion_memory_bytes(model_path, cfg.num_key_value_layers, cfg.key_value_group_size)
-        start = ray.get(ray.remote(num_cpus=1, memory=memory)(convert_once).remote(*args, shift))
+        start = ray.get(remote_in_own_workers(convert_once, "start", max_calls=1, num_cpus=1,
+                                             memory=memory).remote(*args, shift))
     return cfg.model_copy(update={"model": start})
 
 

@@ -87,14 +87,15 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
     from swiftkv.evaluation.harness import evaluate_one
+    from swiftkv.ray_workers import remote_in_own_workers
 
     if not ray.is_initialized():
         ray.init()
     fs, root = fsspec.core.url_to_fs(cfg.out)
     fs.makedirs(f"{root}/parts", exist_ok=True)
     options = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus, "max_retries": 0}
-    lm_eval_task = ray.remote(evaluate_one).options(**options)
-    probe_task = ray.remote(_probe).options(**options)
+    lm_eval_task = remote_in_own_workers(evaluate_one, "evaluate", **options)
+    probe_task = remote_in_own_workers(_probe, "evaluate", **options)
     parts: dict[str, dict[str, Any]] = {s.name: {} for s in cfg.tasks}
     probes = [name for name, on in ((NEEDLE, cfg.needle), (MULTITURN, cfg.multiturn)) if on is not None]
     parts.update({name: {} for name in probes})

@@ -30,6 +30,7 @@ from swiftkv.distill import data
 from swiftkv.distill.config import DataConfig, parse_config
 from swiftkv.distill.data import build_datasets
 from swiftkv.distill.retrieval_data import retrieval_chat
+from swiftkv.ray_workers import remote_in_own_workers
 from tests.distill_data import sharegpt_rows, ultrachat_rows, write_jsonl, write_parquet
 from tests.file_modes import unreadable
 from tests.s3_server import moto_s3_server, s3_env
@@ -303,6 +304,46 @@ def test_the_conversion_task_asks_for_the_memory_it_takes(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 1000)
     on_disk = 1000 + (tmp_path / "config.json").stat().st_size
     assert conversion_memory_bytes(str(tmp_path), 40) == 2 * 2**30 + 2 * on_disk
+
+
+def _import_package(folder: str, marker: str = "") -> int:
+    """Import ``pkg`` from ``folder`` (its ``__init__`` waits when ``marker`` names a file it creates)."""
+    import sys
+
+    os.environ["PKG_MARKER"] = marker
+    sys.path.insert(0, folder)
+    import pkg  # noqa: F401
+
+    return os.getpid()
+
+
+def test_model_tasks_run_in_workers_no_interrupted_import_has_left_half_done(ray_cluster, tmp_path):
+    """A Ray Data task stopped by ``limit()`` is interrupted where it is, maybe inside ``import torch``;
+    its worker keeps the half-imported package. The start's, evaluation's and benchmark's tasks run
+    in workers of their own all the same (the start's in a new one each time)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "sub.py").write_text("VALUE = 1\n")
+    # A package whose submodule is loaded before it stops: a worker interrupted there keeps pkg.sub in
+    # sys.modules without pkg, and importing pkg again fails as torch did (torch._utils).
+    (tmp_path / "pkg" / "__init__.py").write_text(
+        "import os, pathlib, time\nimport pkg.sub\nVALUE = pkg.sub.VALUE\n"
+        "if os.environ['PKG_MARKER']:\n    pathlib.Path(os.environ['PKG_MARKER']).touch()\n"
+        "    for _ in range(1200):\n        time.sleep(0.1)\n")  # short sleeps: Ray's interrupt waits for bytecode
+    marker = tmp_path / "importing"
+    stopped = ray.remote(_import_package).remote(str(tmp_path), str(marker))
+    for _ in range(600):  # bounded: the task starts within a minute
+        if marker.exists():
+            break
+        time.sleep(0.1)
+    assert marker.exists()
+    ray.cancel(stopped)  # force=False, as Ray Data stops its tasks: a KeyboardInterrupt in the import
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(stopped, timeout=60)
+    pooled = remote_in_own_workers(_import_package, "test")
+    assert ray.get([pooled.remote(str(tmp_path)) for _ in range(2)])  # each imports the package whole
+    once = remote_in_own_workers(_import_package, "test-once", max_calls=1)
+    pids = {ray.get(once.remote(str(tmp_path))) for _ in range(3)}
+    assert len(pids) == 3
 
 
 def test_a_synthetic_source_holds_out_rows_of_its_own(ray_cluster):
