@@ -342,8 +342,7 @@ def test_model_tasks_run_in_workers_no_interrupted_import_has_left_half_done(ray
     pooled = remote_in_own_workers(_import_package, "test")
     assert ray.get([pooled.remote(str(tmp_path)) for _ in range(2)])  # each imports the package whole
     once = remote_in_own_workers(_import_package, "test-once", max_calls=1)
-    pids = {ray.get(once.remote(str(tmp_path))) for _ in range(3)}
-    assert len(pids) == 3
+    assert ray.get(once.remote(str(tmp_path))) != ray.get(once.remote(str(tmp_path)))  # a new worker each
 
 
 def test_a_synthetic_source_holds_out_rows_of_its_own(ray_cluster):
