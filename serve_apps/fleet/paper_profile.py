@@ -148,14 +148,17 @@ def bench_tokens_per_s(figures: ModelFigures, input_tokens: int) -> float:
 
 def _fit(bandwidth: float) -> tuple[float, float]:
     """Matmul and attention FLOP/s whose base replica gives Fig. 3's four base figures (least squares
-    on the log; Nelder-Mead from 500 / 400 TFLOP/s)."""
+    on the log; Nelder-Mead from 500 / 400 TFLOP/s). Rates are bounded at ten times the dense bf16
+    peak: a bandwidth too low for the figures sends the fit's matmul rate off to infinity otherwise,
+    and the answer (not physical) is the same at the bound."""
     from scipy.optimize import minimize
 
     def loss(x) -> float:
         base = _variant("base", math.exp(x[0]) * 1e12, math.exp(x[1]) * 1e12, bandwidth)
         return sum(math.log(bench_tokens_per_s(base, n) / paper) ** 2 for n, paper in FIG3["base"].items())
 
-    result = minimize(loss, [math.log(500), math.log(400)], method="Nelder-Mead",
+    bounds = [(math.log(1.0), math.log(10 * BF16_DENSE_PEAK_FLOPS / 1e12))] * 2
+    result = minimize(loss, [math.log(500), math.log(400)], method="Nelder-Mead", bounds=bounds,
                       options={"xatol": 0.002, "fatol": 1e-6})
     return math.exp(result.x[0]) * 1e12, math.exp(result.x[1]) * 1e12
 
