@@ -445,6 +445,22 @@ def test_the_shipped_validation_configs_read_and_name_their_fleet(path):
     assert fleet.routing.router == cfg.fleet.routing.router and cfg.traffic.build().requests
 
 
+@pytest.mark.parametrize("path", sorted((PROFILES.parent / "configs").glob("report-*.yaml")), ids=lambda p: p.name)
+def test_the_shipped_report_configs_read_and_their_runs_exist(path):
+    """What `swiftkv fleet report --config` checks before its first run, on each shipped config: the
+    keys, the profile's variants, the traffic (the trace in the repository), the plotted runs."""
+    from serve_apps.fleet.report import ReportConfig
+    from swiftkv.yaml_config import load_config
+
+    cfg = load_config(ReportConfig, path)
+    profile = load_profile(cfg.profile)
+    for variant in cfg.variants:
+        profile.figures(variant)
+    assert cfg.traffic.build().requests
+    runs = {f"{v}/{f.policy}/{f.router}" for v in cfg.variants for f in cfg.fleets}
+    assert set(cfg.main) <= runs, set(cfg.main) - runs
+
+
 def test_a_validation_without_measure_needs_a_profile():
     from serve_apps.fleet.validate import ValidateConfig, simulation_inputs
 
