@@ -36,6 +36,8 @@ class LoadStatLogger(StatLoggerBase):
                 self.tracker.on_prefill_done(prompt.total, prompt.computed)
             if iteration_stats.num_preempted_reqs:
                 self.tracker.on_preempted(iteration_stats.num_preempted_reqs)
+            if iteration_stats.finished_requests:
+                self.tracker.on_finished(len(iteration_stats.finished_requests))
             if iteration_stats.time_to_first_tokens_iter:
                 self.tracker.on_first_tokens(time.time(), list(iteration_stats.time_to_first_tokens_iter))
         if scheduler_stats is not None:

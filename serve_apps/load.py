@@ -46,6 +46,10 @@ class ReplicaLoad:
     """Running requests the scheduler preempted per second over the window (vLLM's own count):
     the KV cache is full now, whatever its usage reads once the preempted requests' blocks are freed."""
 
+    requests_finished_per_s: float = 0.0
+    """Requests this replica completed per second over the window: its throughput in requests, the
+    rate at which a fleet of such replicas drains the requests queued at the handles."""
+
     ttft_p90_s: float = 0.0
     """90th percentile time to first token of requests that got one in the window (0 if none)."""
 
@@ -91,13 +95,14 @@ class LoadTracker:
         self.prefilled_tokens = 0  # cumulative prompt tokens whose prefill finished
         self.computed_tokens = 0  # ... of which were computed, not prefix-cache hits
         self.preempted = 0  # cumulative running requests preempted
+        self.finished = 0  # cumulative requests completed
         self.last_step_monotonic: float | None = None  # when the engine last reported a step
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
         self._ttfts: deque[tuple[float, float]] = deque()
-        # (t, prefilled, computed, waiting, preempted)
-        self._samples: deque[tuple[float, int, int, float, int]] = deque()
+        # (t, prefilled, computed, waiting, preempted, finished)
+        self._samples: deque[tuple[float, int, int, float, int, int]] = deque()
 
     def on_prefill_done(self, prompt_tokens: int, computed_tokens: int) -> None:
         self.prefilled_tokens += prompt_tokens
@@ -113,18 +118,21 @@ class LoadTracker:
     def on_preempted(self, requests: int) -> None:
         self.preempted += requests
 
+    def on_finished(self, requests: int) -> None:
+        self.finished += requests
+
     def on_scheduler(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
 
     def snapshot(self, now: float, prompt_tokens_waiting: float) -> ReplicaLoad:
         """The figures at ``now`` given the engine's current waiting prompt tokens."""
         self._samples.append((now, self.prefilled_tokens, self.computed_tokens, prompt_tokens_waiting,
-                              self.preempted))
+                              self.preempted, self.finished))
         while len(self._samples) > 1 and self._samples[1][0] <= now - self.window_s:
             self._samples.popleft()
         while self._ttfts and self._ttfts[0][0] < now - self.window_s:
             self._ttfts.popleft()
-        t0, prefilled0, computed0, waiting0, preempted0 = self._samples[0]
+        t0, prefilled0, computed0, waiting0, preempted0, finished0 = self._samples[0]
         span = now - t0
         prefilled = self.prefilled_tokens - prefilled0
         computed = self.computed_tokens - computed0
@@ -138,6 +146,7 @@ class LoadTracker:
             waiting_requests=float(self.waiting),
             kv_cache_usage=self.kv_cache_usage,
             preemptions_per_s=(self.preempted - preempted0) / span if span > 0 else 0.0,
+            requests_finished_per_s=(self.finished - finished0) / span if span > 0 else 0.0,
             ttft_p90_s=percentile([t for _, t in self._ttfts], 90) if self._ttfts else 0.0,
             prefill_capacity=self.prefill_capacity,
             timestamp=now,

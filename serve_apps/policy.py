@@ -13,13 +13,20 @@ so a fleet just scaled down sits well below the scale-up line (no 2-1-2 flapping
 
 Serve's request counts weigh too: a decode-bound fleet fills its replicas' seats
 (``max_ongoing_requests``) while its prompt tokens and KV cache look fine, and once every seat is
-taken new requests queue at the handles for as long as a reply takes. So the requests (ongoing and
-queued) ask for replicas enough to keep them within ``target_utilization`` of the seats, and a
+taken new requests queue at the handles for as long as a reply takes. So the requests at the
+replicas ask for replicas enough to keep them within ``target_utilization`` of the seats, and a
 scale-down must leave them within ``downscale_utilization`` (the same hysteresis as for tokens;
 scaling down to exactly full seats made a decode-bound fleet queue, scale up, pay the start-up and
-scale down again). No request at all over the look-back window asks for zero replicas, which Serve
-bounds by ``min_replicas`` (Serve's own cold start brings the first replica back when a request
-arrives).
+scale down again). The requests queued at the handles are work, not requests to seat at once:
+with ``r`` the requests a replica completes per second, ``Q`` the queue and ``g`` its growth per
+second, the fleet must complete what arrives (what it completes now, plus ``g``) and drain ``Q``
+within the horizon ``H = max(T, S)`` (a queue cannot drain before the replicas started for it
+serve), at ``target_utilization`` of its completion rate. Seating the queue instead made a cold
+start under a full-rate trace ask for ``max_replicas``: thousands of requests queued during the
+start-up, which about as many replicas as the arrival rate needs clear within a start-up time.
+
+No request at all over the look-back window asks for zero replicas, which Serve bounds by
+``min_replicas`` (Serve's own cold start brings the first replica back when a request arrives).
 
 A replica asked for now serves only after its start-up time ``S`` (``replica_startup_s``): the
 backlog that the running replicas clear before then, ``(N mu - lam) S``, is no reason to start one
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,13 +123,14 @@ def _seats_for(requests: float | None, per_replica: float) -> int:
 
 
 def decide(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, requests: float | None = None,
-           queued: float = 0.0) -> Decision:
+           queued: float = 0.0, queue_growth_per_s: float = 0.0) -> Decision:
     """The replica count for ``current`` running replicas whose published figures are ``loads``
     (replicas that have not published yet are simply absent), given Serve's count of ``requests``
-    (ongoing and queued; None: unknown) and of those ``queued`` at the handles."""
+    (ongoing and queued; None: unknown), of those ``queued`` at the handles, and how fast that
+    queue grows."""
     if current == 0 or not loads:
         return Decision(current, "no load figures yet: holding")
-    decision = _by_load(loads, current, cfg, requests, queued)
+    decision = _by_load(loads, current, cfg, requests, queued, queue_growth_per_s)
     # Zero only when the figures would keep one replica at most: a window of short requests that
     # Serve's samples happen to miss must not undo a scale-up.
     if requests == 0 and decision.replicas <= 1:
@@ -130,8 +139,24 @@ def decide(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, req
     return decision
 
 
+def _to_drain_queue(loads: list[ReplicaLoad], cfg: PrefillPolicyConfig, current: int, queued: float,
+                    growth_per_s: float) -> int:
+    """Replicas that complete the requests arriving and drain the handles' queue within the horizon
+    (0 with no queue; one more than now while no replica has completed a request to rate it by)."""
+    if queued <= 0:
+        return 0
+    rated = [load.requests_finished_per_s for load in loads if load.requests_finished_per_s > 0]
+    if not rated:
+        return current + 1
+    # A replica that started a moment ago has completed nothing yet: it is no measure of the rate.
+    per_replica = sum(rated) / len(rated)
+    arriving = max(0.0, sum(rated) + growth_per_s)  # completed now, plus what the queue gains
+    horizon = max(cfg.ttft_budget_s, cfg.replica_startup_s)
+    return _replicas_for(arriving + queued / horizon, cfg.target_utilization * per_replica)
+
+
 def _by_load(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, requests: float | None,
-             queued: float) -> Decision:
+             queued: float, queue_growth_per_s: float) -> Decision:
     mu, budget = cfg.prefill_tokens_per_s, cfg.ttft_budget_s
     demand = sum(load.prompt_tokens_per_s * load.uncached_fraction for load in loads)
     backlog = sum(load.uncached_tokens_waiting for load in loads)
@@ -144,7 +169,9 @@ def _by_load(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, r
     # What the running replicas clear before a new one could serve is not a reason to start one.
     backlog_left = max(0.0, backlog - max(0.0, current * mu - demand) * cfg.replica_startup_s)
     clear_backlog = _replicas_for(demand + backlog_left / budget, mu)
-    seats = _seats_for(requests, cfg.target_utilization * cfg.max_ongoing_requests)
+    ongoing = None if requests is None else max(0.0, requests - queued)
+    seats = max(_seats_for(ongoing, cfg.target_utilization * cfg.max_ongoing_requests),
+                _to_drain_queue(loads, cfg, current, queued, queue_growth_per_s))
     wanted = max(keep_up, clear_backlog, seats)
     # KV: the mean usage lags (a preempted request's blocks are freed, and one replica fills while
     # the mean looks fine), so a preemption anywhere in the window is the cache being full.
@@ -156,7 +183,7 @@ def _by_load(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, r
             why = f"vLLM preempting {preemptions:.1f} requests/s" if preemptions > 0 else f"KV cache {kv:.0%} full"
         elif seats > max(keep_up, clear_backlog):
             why = f"{queued:.0f} requests queued for a free replica" if queued > 0 else \
-                f"{requests:.0f} requests over {cfg.target_utilization:.0%} of the replicas' seats"
+                f"{ongoing:.0f} requests over {cfg.target_utilization:.0%} of the replicas' seats"
         else:
             why = "backlog over the TTFT budget" if clear_backlog > keep_up else "arrival rate over capacity"
         return Decision(wanted, f"scale up to {wanted}: {why}", **figures)
@@ -183,6 +210,19 @@ def loads_from_metrics(aggregated: dict[str, dict[Any, float]] | None, replicas:
     return loads
 
 
+QUEUE_SAMPLE_S, QUEUE_WINDOW_S = 1.0, 10.0
+
+
+def _queue_growth(samples: list[list[float]], now: float, queued: float) -> tuple[list[list[float]], float]:
+    """The queue's samples (one a second over the last ten, kept in the policy's state between
+    ticks) with ``queued`` at ``now`` added, and its growth per second over them."""
+    if not samples or now - samples[-1][0] >= QUEUE_SAMPLE_S:
+        samples = [*samples, [now, queued]]
+    samples = [sample for sample in samples if sample[0] >= now - QUEUE_WINDOW_S]
+    t0, q0 = samples[0]
+    return samples, (queued - q0) / (now - t0) if now - t0 >= QUEUE_SAMPLE_S else 0.0
+
+
 class PrefillAutoscalingPolicy:
     """Serve's class-form custom policy: built once on the controller with ``policy_kwargs``, then
     called every control tick with an ``AutoscalingContext``. Non-blocking: arithmetic only."""
@@ -192,8 +232,11 @@ class PrefillAutoscalingPolicy:
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         loads = loads_from_metrics(ctx.aggregated_metrics, list(ctx.running_replicas))
+        state = dict(ctx.policy_state or {})
+        now = ctx.current_time if ctx.current_time is not None else time.time()
+        samples, growth = _queue_growth(state.get("queue_samples", []), now, ctx.total_queued_requests)
         decision = decide(loads, ctx.current_num_replicas, self.config, ctx.total_num_requests,
-                          ctx.total_queued_requests)
+                          ctx.total_queued_requests, growth)
         target, reason = decision.replicas, decision.reason
         if ctx.current_num_replicas < target < ctx.target_num_replicas:
             # Still short of the replicas already asked for: keep them coming. Serve stops starting
@@ -208,13 +251,13 @@ class PrefillAutoscalingPolicy:
         if target != wish:
             reason = f"{reason} (wants {wish}; bounds {ctx.capacity_adjusted_min_replicas}-" \
                      f"{ctx.capacity_adjusted_max_replicas} give {target})"
-        state = dict(ctx.policy_state or {})
         # Log a change of target once, not every 0.1 s tick it persists.
         wish = target if target != ctx.current_num_replicas else None
         if wish is not None and state.get("logged_wish") != wish:
             log.info("swiftkv autoscaling %s: %s (demand %.0f tok/s, backlog %.0f tok, KV %.0f%%)",
                      ctx.deployment_name, reason, decision.demand_tokens_per_s,
                      decision.backlog_tokens, 100 * decision.kv_cache_usage)
-        state.update(logged_wish=wish, last_reason=reason, demand_tokens_per_s=decision.demand_tokens_per_s,
-                     backlog_tokens=decision.backlog_tokens, kv_cache_usage=decision.kv_cache_usage)
+        state.update(logged_wish=wish, last_reason=reason, queue_samples=samples,
+                     demand_tokens_per_s=decision.demand_tokens_per_s, backlog_tokens=decision.backlog_tokens,
+                     kv_cache_usage=decision.kv_cache_usage)
         return target, state

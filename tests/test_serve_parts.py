@@ -85,6 +85,8 @@ def test_load_tracker_rates_over_its_window():
     tracker.on_preempted(3)  # vLLM's preemptions, a rate over the window like the tokens
     assert tracker.snapshot(112.0, 0.0).preemptions_per_s == pytest.approx(0.3)  # 3 over 102..112 s
     assert tracker.snapshot(120.0, 0.0).preemptions_per_s == 0.0
+    tracker.on_finished(4)  # completed requests: the replica's throughput in requests
+    assert tracker.snapshot(122.0, 0.0).requests_finished_per_s == pytest.approx(0.4)
 
 
 def test_the_stat_logger_copies_vllms_step_figures_into_the_tracker():
@@ -96,10 +98,12 @@ def test_the_stat_logger_copies_vllms_step_figures_into_the_tracker():
     logger = LoadStatLogger(None, tracker=tracker)
     step = IterationStats()
     step.num_preempted_reqs = 2
+    step.finished_requests = [object(), object(), object()]  # only their number is read
     step.prompt_token_stats.total, step.prompt_token_stats.computed = 500, 300
     logger.record(SchedulerStats(num_running_reqs=4, num_waiting_reqs=1, num_skipped_waiting_reqs=2,
                                  kv_cache_usage=0.97), step)
     assert (tracker.preempted, tracker.prefilled_tokens, tracker.computed_tokens) == (2, 500, 300)
+    assert tracker.finished == 3
     assert tracker.last_step_monotonic is not None  # the step is the replica's sign of life
     assert (tracker.running, tracker.waiting, tracker.kv_cache_usage) == (4, 3, 0.97)
 

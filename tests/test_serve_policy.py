@@ -20,10 +20,10 @@ CFG = PrefillPolicyConfig(prefill_tokens_per_s=MU, ttft_budget_s=2.0, target_uti
 
 
 def load(rate: float = 0.0, waiting: float = 0.0, kv: float = 0.0, uncached: float = 1.0,
-         preemptions: float = 0.0) -> ReplicaLoad:
+         preemptions: float = 0.0, finished: float = 0.0) -> ReplicaLoad:
     return ReplicaLoad(prompt_tokens_per_s=rate, prompt_tokens_waiting=waiting, kv_cache_usage=kv,
                        uncached_fraction=uncached, preemptions_per_s=preemptions, prefill_capacity=MU,
-                       timestamp=time.time())
+                       requests_finished_per_s=finished, timestamp=time.time())
 
 
 def test_no_figures_yet_holds():
@@ -118,10 +118,51 @@ def test_requests_filling_the_seats_scale_up_whatever_the_tokens():
     assert decide(busy, 2, cfg, requests=24, queued=0).replicas == 2  # 75% of 32 seats: holding
     decision = decide(busy, 2, cfg, requests=32, queued=0)
     assert decision.replicas == 3 and "over 80% of the replicas' seats" in decision.reason  # ceil(32 / 12.8)
+    # Requests queued at the handles and no replica has completed one yet: one more replica.
     decision = decide(busy, 2, cfg, requests=40, queued=8)
-    assert decision.replicas == 4 and "8 requests queued" in decision.reason  # ceil(40 / 12.8)
+    assert decision.replicas == 3 and "8 requests queued" in decision.reason
     # Never down while requests wait, however light the tokens.
     assert decide([load(rate=1)] * 3, 3, cfg, requests=50, queued=2).replicas == 4
+
+
+def test_the_handles_queue_is_work_to_drain_not_requests_to_seat():
+    """A queue of 100 requests over two full replicas that complete 2 requests/s each, growing by
+    5/s: the fleet must complete 9 requests/s and drain the 100 within the horizon, at 80% of 2/s
+    per replica. Seating the queue would ask for ceil(132 / 12.8) = 11."""
+    cfg = CFG.model_copy(update={"max_ongoing_requests": 16})
+    full = [load(rate=50, kv=0.5, finished=2.0)] * 2
+    assert decide(full, 2, cfg, requests=132, queued=100, queue_growth_per_s=5).replicas == 37  # (9 + 100 / 2) / 1.6
+    slow_start = cfg.model_copy(update={"replica_startup_s": 50.0})  # drained within the start-up
+    assert decide(full, 2, slow_start, requests=132, queued=100, queue_growth_per_s=5).replicas == 7  # 11 / 1.6
+    # A replica that has just started completes nothing yet: it is no measure of the rate.
+    assert decide([*full, load(finished=0.0)], 3, slow_start, requests=148, queued=100,
+                  queue_growth_per_s=5).replicas == 7
+    # A draining queue asks for less: 4 - 3 = 1 request/s arriving plus 100 / 50, two replicas; the
+    # full seats (32 of 32) still ask for ceil(32 / 12.8) = 3.
+    assert decide(full, 2, slow_start, requests=132, queued=100, queue_growth_per_s=-3).replicas == 3
+
+
+def test_the_policy_rates_the_queues_growth_from_its_own_state():
+    """Serve keeps ``policy_state`` between control ticks: the policy samples the queue in it."""
+    deployment = DeploymentID(name="model-x", app_name="swiftkv")
+    r1 = ReplicaID("r1", deployment)
+    full = load(rate=50, kv=0.5, finished=2.0).to_metrics()
+    metrics = {name: {r1: value} for name, value in full.items()}
+    policy = PrefillAutoscalingPolicy(prefill_tokens_per_s=MU, max_ongoing_requests=16, replica_startup_s=50.0)
+    state: dict = {}
+    wants = []
+    for second, queued in enumerate([0, 10, 20, 30]):  # 10 requests/s more every second
+        ctx = _context(metrics, [r1], 1, requests=(12 if second == 0 else 16) + queued, queued=queued,
+                       max_replicas=20)
+        ctx.policy_state, ctx.current_time = state, 1000.0 + second
+        target, state = policy(ctx)
+        wants.append(target)
+    assert len(state["queue_samples"]) == 4
+    # 2 completed + 10 more queued per second + 30 / 50, at 80% of 2/s: ceil(12.6 / 1.6) = 8.
+    assert wants == [1, 8, 8, 8]
+    # The same tick with no samples kept sees no growth: (2 + 30 / 50) / 1.6, the seats' 2.
+    ctx.policy_state = {}
+    assert policy(ctx)[0] == 2
 
 
 def test_scale_down_leaves_the_requests_half_the_seats():

@@ -275,6 +275,7 @@ class Replica:
 
     def _release(self, request: SimRequest, t: float) -> SimRequest:
         request.finish_s = t
+        self.tracker.on_finished(1)
         self._unpin(request)
         return request
 
