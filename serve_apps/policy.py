@@ -21,9 +21,11 @@ scale down again). The requests queued at the handles are work, not requests to 
 with ``r`` the requests a replica completes per second, ``Q`` the queue and ``g`` its growth per
 second, the fleet must complete what arrives (what it completes now, plus ``g``) and drain ``Q``
 within the horizon ``H = max(T, S)`` (a queue cannot drain before the replicas started for it
-serve), at ``target_utilization`` of its completion rate. Seating the queue instead made a cold
-start under a full-rate trace ask for ``max_replicas``: thousands of requests queued during the
-start-up, which about as many replicas as the arrival rate needs clear within a start-up time.
+serve), at ``target_utilization`` of its completion rate, and at most the replicas that would seat
+every request at once (more would idle; and while the first long replies still run, completions
+read the rate low). Seating the queue alone made a cold start under a full-rate trace ask for
+``max_replicas``: thousands of requests queued during the start-up, which about as many replicas as
+the arrival rate needs clear within a start-up time.
 
 No request at all over the look-back window asks for zero replicas, which Serve bounds by
 ``min_replicas`` (Serve's own cold start brings the first replica back when a request arrives).
@@ -142,9 +144,7 @@ def decide(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, req
 def _to_drain_queue(loads: list[ReplicaLoad], cfg: PrefillPolicyConfig, current: int, queued: float,
                     growth_per_s: float) -> int:
     """Replicas that complete the requests arriving and drain the handles' queue within the horizon
-    (0 with no queue; one more than now while no replica has completed a request to rate it by)."""
-    if queued <= 0:
-        return 0
+    (one more than now while no replica has completed a request to rate it by)."""
     rated = [load.requests_finished_per_s for load in loads if load.requests_finished_per_s > 0]
     if not rated:
         return current + 1
@@ -170,8 +170,12 @@ def _by_load(loads: list[ReplicaLoad], current: int, cfg: PrefillPolicyConfig, r
     backlog_left = max(0.0, backlog - max(0.0, current * mu - demand) * cfg.replica_startup_s)
     clear_backlog = _replicas_for(demand + backlog_left / budget, mu)
     ongoing = None if requests is None else max(0.0, requests - queued)
-    seats = max(_seats_for(ongoing, cfg.target_utilization * cfg.max_ongoing_requests),
-                _to_drain_queue(loads, cfg, current, queued, queue_growth_per_s))
+    seats = _seats_for(ongoing, cfg.target_utilization * cfg.max_ongoing_requests)
+    if queued > 0:
+        # Seats for every request at once are the most a queue can use (more replicas would idle);
+        # they also bound a drain rate read low while the first long replies are still running.
+        seats = max(seats, min(_to_drain_queue(loads, cfg, current, queued, queue_growth_per_s),
+                               _seats_for(requests, cfg.target_utilization * cfg.max_ongoing_requests)))
     wanted = max(keep_up, clear_backlog, seats)
     # KV: the mean usage lags (a preempted request's blocks are freed, and one replica fills while
     # the mean looks fine), so a preemption anywhere in the window is the cache being full.

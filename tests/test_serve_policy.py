@@ -128,10 +128,11 @@ def test_requests_filling_the_seats_scale_up_whatever_the_tokens():
 def test_the_handles_queue_is_work_to_drain_not_requests_to_seat():
     """A queue of 100 requests over two full replicas that complete 2 requests/s each, growing by
     5/s: the fleet must complete 9 requests/s and drain the 100 within the horizon, at 80% of 2/s
-    per replica. Seating the queue would ask for ceil(132 / 12.8) = 11."""
+    per replica, and never needs more than the replicas that seat all 132 at once, ceil(132 / 12.8)."""
     cfg = CFG.model_copy(update={"max_ongoing_requests": 16})
     full = [load(rate=50, kv=0.5, finished=2.0)] * 2
-    assert decide(full, 2, cfg, requests=132, queued=100, queue_growth_per_s=5).replicas == 37  # (9 + 100 / 2) / 1.6
+    # Within the 2 s budget (start-up 0) the drain would take (9 + 100 / 2) / 1.6 = 37: seats bound it.
+    assert decide(full, 2, cfg, requests=132, queued=100, queue_growth_per_s=5).replicas == 11
     slow_start = cfg.model_copy(update={"replica_startup_s": 50.0})  # drained within the start-up
     assert decide(full, 2, slow_start, requests=132, queued=100, queue_growth_per_s=5).replicas == 7  # 11 / 1.6
     # A replica that has just started completes nothing yet: it is no measure of the rate.
@@ -148,18 +149,19 @@ def test_the_policy_rates_the_queues_growth_from_its_own_state():
     r1 = ReplicaID("r1", deployment)
     full = load(rate=50, kv=0.5, finished=2.0).to_metrics()
     metrics = {name: {r1: value} for name, value in full.items()}
-    policy = PrefillAutoscalingPolicy(prefill_tokens_per_s=MU, max_ongoing_requests=16, replica_startup_s=50.0)
+    policy = PrefillAutoscalingPolicy(prefill_tokens_per_s=MU, max_ongoing_requests=4, replica_startup_s=50.0)
     state: dict = {}
     wants = []
     for second, queued in enumerate([0, 10, 20, 30]):  # 10 requests/s more every second
-        ctx = _context(metrics, [r1], 1, requests=(12 if second == 0 else 16) + queued, queued=queued,
+        ctx = _context(metrics, [r1], 1, requests=(3 if second == 0 else 4) + queued, queued=queued,
                        max_replicas=20)
         ctx.policy_state, ctx.current_time = state, 1000.0 + second
         target, state = policy(ctx)
         wants.append(target)
     assert len(state["queue_samples"]) == 4
-    # 2 completed + 10 more queued per second + 30 / 50, at 80% of 2/s: ceil(12.6 / 1.6) = 8.
-    assert wants == [1, 8, 8, 8]
+    # 2 completed + 10 more queued per second + 30 / 50, at 80% of 2/s: ceil(12.6 / 1.6) = 8, once
+    # seating all the requests asks for as many (4 + 10 at 3.2 a replica: 5; 4 + 20: 8).
+    assert wants == [1, 5, 8, 8]
     # The same tick with no samples kept sees no growth: (2 + 30 / 50) / 1.6, the seats' 2.
     ctx.policy_state = {}
     assert policy(ctx)[0] == 2
