@@ -138,9 +138,9 @@ def test_the_handles_queue_is_work_to_drain_not_requests_to_seat():
     # A replica that has just started completes nothing yet: it is no measure of the rate.
     assert decide([*full, load(finished=0.0)], 3, slow_start, requests=148, queued=100,
                   queue_growth_per_s=5).replicas == 7
-    # A draining queue asks for less: 4 - 3 = 1 request/s arriving plus 100 / 50, two replicas; the
-    # full seats (32 of 32) still ask for ceil(32 / 12.8) = 3.
-    assert decide(full, 2, slow_start, requests=132, queued=100, queue_growth_per_s=-3).replicas == 3
+    # A draining queue asks for less: 4 - 3 = 1 request/s arriving plus 100 / 50, ceil(3 / 1.6) = 2
+    # (the 20 requests at the replicas ask for 2 seats' worth too; without the growth it would be 4).
+    assert decide(full, 2, slow_start, requests=120, queued=100, queue_growth_per_s=-3).replicas == 2
 
 
 def test_the_policy_rates_the_queues_growth_from_its_own_state():
